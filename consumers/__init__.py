@@ -1,0 +1,1 @@
+"""Transport adapters: broker deliveries in, settlements out. The core never imports these."""

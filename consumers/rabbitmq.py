@@ -1,0 +1,343 @@
+"""RabbitMQ transport on aio-pika: robust connection, manual acks after the outcome is recorded.
+
+Topology per channel `C` (all durable):
+  C          the work queue; rejected messages dead-letter to C.dlq through the default exchange
+  C.dlq      dead letters, with the reason in `x-dedupe-reason` / `x-dedupe-detail` headers
+  C.delay    no consumers: deferred messages wait out their per-message TTL, then return to C
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    import aio_pika
+    from aio_pika.abc import (
+        AbstractChannel,
+        AbstractIncomingMessage,
+        AbstractQueue,
+        AbstractRobustConnection,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
+    ) from exc
+
+from dedupe.message import Headers, Message
+from dedupe.transport import Action, Delivery, Process, Settlement, Transport
+
+logger = logging.getLogger(__name__)
+
+DEFERRALS_HEADER = "x-dedupe-deferrals"
+REASON_HEADER = "x-dedupe-reason"
+DETAIL_HEADER = "x-dedupe-detail"
+SCOPE_HEADER = "x-dedupe-scope"
+KEY_HEADER = "x-dedupe-key"
+# Headers the transport adds; a replayed dead letter loses them.
+OWN_HEADERS = (DEFERRALS_HEADER, REASON_HEADER, DETAIL_HEADER, SCOPE_HEADER, KEY_HEADER)
+
+
+def dlq_name(channel: str) -> str:
+    return f"{channel}.dlq"
+
+
+def delay_name(channel: str) -> str:
+    return f"{channel}.delay"
+
+
+async def declare_channel(channel: AbstractChannel, name: str) -> AbstractQueue:
+    """Declare the work, dead-letter and delay queues of one channel; return the work queue."""
+    await channel.declare_queue(dlq_name(name), durable=True)
+    await channel.declare_queue(
+        delay_name(name),
+        durable=True,
+        arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name},
+    )
+    return await channel.declare_queue(
+        name,
+        durable=True,
+        arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq_name(name)},
+    )
+
+
+def copy_of(
+    incoming: AbstractIncomingMessage,
+    *,
+    headers: dict[str, Any] | None = None,
+    expiration: float | None = None,
+) -> aio_pika.Message:
+    """A persistent copy of a delivery, for the dead-letter or delay queue."""
+    return aio_pika.Message(
+        incoming.body,
+        headers=headers if headers is not None else dict(incoming.headers or {}),
+        content_type=incoming.content_type,
+        content_encoding=incoming.content_encoding,
+        message_id=incoming.message_id,
+        correlation_id=incoming.correlation_id,
+        reply_to=incoming.reply_to,
+        timestamp=incoming.timestamp,
+        type=incoming.type,
+        app_id=incoming.app_id,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        expiration=expiration,
+    )
+
+
+class RabbitDelivery:
+    """One aio-pika delivery, settled through the transport's confirming channel."""
+
+    __slots__ = ("_message", "channel", "incoming", "transport")
+
+    def __init__(
+        self, transport: RabbitMQTransport, channel: str, incoming: AbstractIncomingMessage
+    ) -> None:
+        self.transport = transport
+        self.channel = channel
+        self.incoming = incoming
+        self._message: Message | None = None
+
+    @property
+    def message(self) -> Message:
+        if self._message is None:
+            headers = Headers(self.incoming.headers or {})
+            try:
+                deferrals = int(headers.get(DEFERRALS_HEADER, "0"))
+            except ValueError:
+                deferrals = 0
+            self._message = Message(
+                channel=self.channel,
+                body=self.incoming.body,
+                headers=headers,
+                message_id=self.incoming.message_id,
+                attempt=deferrals + 1,
+                content_type=self.incoming.content_type,
+                meta={"redelivered": bool(self.incoming.redelivered)},
+            )
+        return self._message
+
+    async def settle(self, settlement: Settlement) -> None:
+        try:
+            await self.transport.settle(self, settlement)
+        except Exception as exc:
+            # The connection went away: the broker redelivers the message, and the claim
+            # table turns that redelivery into a duplicate (or a take-over after the lease).
+            logger.warning(
+                "could not settle a delivery on %s (%s): the broker will redeliver it",
+                self.channel,
+                exc,
+            )
+
+
+class RabbitMQTransport(Transport):
+    """Consume channels from RabbitMQ and settle deliveries as the core decides."""
+
+    def __init__(self, url: str, *, prefetch: int = 64, batch_max: int = 64) -> None:
+        self.url = url
+        self.prefetch = prefetch
+        self.batch_max = batch_max
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._publish_channel: AbstractChannel | None = None
+
+    async def connect(self) -> None:
+        if self._connection is None:
+            self._connection = await aio_pika.connect_robust(self.url, timeout=10)
+            self._channel = await self._connection.channel()
+            await self._channel.set_qos(prefetch_count=self.prefetch)
+            # Copies go out on their own confirming channel so that a slow confirm never
+            # holds up deliveries on the consuming one.
+            self._publish_channel = await self._connection.channel(publisher_confirms=True)
+
+    async def close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                await connection.close()
+
+    async def serve(self, channels: Sequence[str], process: Process, stop: asyncio.Event) -> None:
+        await self.connect()
+        assert self._channel is not None
+        inboxes: dict[str, asyncio.Queue[AbstractIncomingMessage]] = {}
+        consumers: list[tuple[AbstractQueue, str]] = []
+        for name in channels:
+            queue = await declare_channel(self._channel, name)
+            inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+            inboxes[name] = inbox
+            tag = await queue.consume(inbox.put, no_ack=False)
+            consumers.append((queue, tag))
+        logger.info("consuming %s (prefetch %d)", ", ".join(channels), self.prefetch)
+        processing: set[asyncio.Task[None]] = set()
+        dispatchers = [
+            asyncio.create_task(
+                self._dispatch(name, inbox, process, processing), name=f"dispatch-{name}"
+            )
+            for name, inbox in inboxes.items()
+        ]
+        try:
+            await stop.wait()
+        finally:
+            for queue, tag in consumers:
+                with contextlib.suppress(Exception):
+                    await queue.cancel(tag)
+            for task in dispatchers:
+                task.cancel()
+            await asyncio.gather(*dispatchers, return_exceptions=True)
+            # Deliveries that reached us but were never started go straight back.
+            for inbox in inboxes.values():
+                while not inbox.empty():
+                    with contextlib.suppress(Exception):
+                        await inbox.get_nowait().nack(requeue=True)
+            if processing:
+                await asyncio.gather(*processing, return_exceptions=True)
+
+    async def _dispatch(
+        self,
+        name: str,
+        inbox: asyncio.Queue[AbstractIncomingMessage],
+        process: Process,
+        processing: set[asyncio.Task[None]],
+    ) -> None:
+        """Hand whatever has arrived to the core as one batch (one claim statement)."""
+        while True:
+            batch = [await inbox.get()]
+            while len(batch) < self.batch_max and not inbox.empty():
+                batch.append(inbox.get_nowait())
+            deliveries: list[Delivery] = [RabbitDelivery(self, name, m) for m in batch]
+            task = asyncio.create_task(process(name, deliveries))
+            processing.add(task)
+            task.add_done_callback(processing.discard)
+
+    async def settle(self, delivery: RabbitDelivery, settlement: Settlement) -> None:
+        incoming = delivery.incoming
+        if settlement.action is Action.ACK:
+            if settlement.result is not None and incoming.reply_to:
+                await self._reply(incoming, settlement.result)
+            await incoming.ack()
+        elif settlement.action is Action.DEAD_LETTER:
+            headers = dict(incoming.headers or {})
+            headers[REASON_HEADER] = str(settlement.reason)
+            headers[DETAIL_HEADER] = settlement.detail or ""
+            if settlement.scope is not None and settlement.key is not None:
+                headers[SCOPE_HEADER] = settlement.scope
+                headers[KEY_HEADER] = settlement.key
+            await self._publish(copy_of(incoming, headers=headers), dlq_name(delivery.channel))
+            await incoming.ack()
+            logger.warning(
+                "dead-lettered a message from %s to %s: %s (%s)",
+                delivery.channel,
+                dlq_name(delivery.channel),
+                settlement.reason,
+                settlement.detail,
+                extra={"message_id": incoming.message_id, "reason": str(settlement.reason)},
+            )
+        elif settlement.action is Action.DEFER or settlement.delay_s > 0:
+            headers = dict(incoming.headers or {})
+            if settlement.action is Action.DEFER:
+                headers[DEFERRALS_HEADER] = delivery.message.attempt
+            delay = max(settlement.delay_s, 0.05)
+            await self._publish(
+                copy_of(incoming, headers=headers, expiration=delay), delay_name(delivery.channel)
+            )
+            await incoming.ack()
+        else:
+            await incoming.nack(requeue=True)
+
+    async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
+        assert self._publish_channel is not None
+        await self._publish_channel.default_exchange.publish(message, routing_key=routing_key)
+
+    async def _reply(self, incoming: AbstractIncomingMessage, result: str) -> None:
+        """Replay the stored outcome to a request-reply caller (RPC over RabbitMQ)."""
+        assert incoming.reply_to is not None
+        reply = aio_pika.Message(
+            result.encode(),
+            content_type="application/json",
+            correlation_id=incoming.correlation_id,
+        )
+        await self._publish(reply, incoming.reply_to)
+
+
+async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
+    """Read up to `limit` dead letters without removing them (they return on close)."""
+    found: list[dict[str, Any]] = []
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        amqp = await connection.channel()
+        queue = await declare_channel(amqp, channel)
+        dlq = await amqp.get_queue(dlq_name(queue.name))
+        for _ in range(limit):
+            incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
+            if incoming is None:
+                break
+            headers = Headers(incoming.headers or {})
+            found.append(
+                {
+                    "message_id": incoming.message_id,
+                    "reason": headers.get(REASON_HEADER, "?"),
+                    "detail": headers.get(DETAIL_HEADER, ""),
+                    "scope": headers.get(SCOPE_HEADER),
+                    "key": headers.get(KEY_HEADER),
+                    "bytes": len(incoming.body),
+                }
+            )
+        # Closing the channel returns every unacknowledged message to the queue, in order.
+    return found
+
+
+async def replay_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
+    """Move up to `limit` dead letters back to their channel (confirmed before removal)."""
+    moved: list[dict[str, Any]] = []
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        amqp = await connection.channel(publisher_confirms=True)
+        await declare_channel(amqp, channel)
+        dlq = await amqp.get_queue(dlq_name(channel))
+        for _ in range(limit):
+            incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
+            if incoming is None:
+                break
+            headers = dict(incoming.headers or {})
+            info = Headers(headers)
+            moved.append(
+                {
+                    "message_id": incoming.message_id,
+                    "reason": info.get(REASON_HEADER, "?"),
+                    "scope": info.get(SCOPE_HEADER),
+                    "key": info.get(KEY_HEADER),
+                }
+            )
+            for name in OWN_HEADERS:
+                headers.pop(name, None)
+            await amqp.default_exchange.publish(copy_of(incoming, headers=headers), channel)
+            await incoming.ack()
+    return moved
+
+
+async def publish(
+    url: str, channel: str, messages: Sequence[tuple[bytes, dict[str, Any], str | None]]
+) -> int:
+    """Publish (body, headers, message_id) triples with confirms; declares the channel first."""
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        amqp = await connection.channel(publisher_confirms=True)
+        await declare_channel(amqp, channel)
+        pending = [
+            amqp.default_exchange.publish(
+                aio_pika.Message(
+                    body,
+                    headers=headers,
+                    message_id=message_id,
+                    content_type="application/json",
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
+                routing_key=channel,
+            )
+            for body, headers, message_id in messages
+        ]
+        for start in range(0, len(pending), 500):
+            await asyncio.gather(*pending[start : start + 500])
+    return len(messages)

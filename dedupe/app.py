@@ -1,0 +1,245 @@
+"""The App and its `@app.handler` decorator: registration is validated on the spot."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pydantic
+
+from .context import Context
+from .errors import ConfigurationError, InvalidPayload
+from .keys import KeyFunc, KeySpec, compile_key
+from .message import Message
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+Decoder = Callable[[Message], Any]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
+DAY_S = 86_400.0
+
+
+def _decoder_for(annotation: Any, where: str) -> Decoder:
+    if annotation is Message:
+        return lambda message: message
+    if annotation is bytes:
+        return lambda message: message.body
+    if annotation is inspect.Parameter.empty:
+        raise ConfigurationError(
+            f"{where}: annotate the first parameter (a pydantic model, bytes, dict, "
+            "or dedupe.Message) so the worker knows how to decode the body"
+        )
+    try:
+        adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(annotation)
+    except (pydantic.PydanticSchemaGenerationError, TypeError) as exc:
+        raise ConfigurationError(f"{where}: cannot decode into {annotation!r}: {exc}") from exc
+
+    def decode(message: Message) -> Any:
+        try:
+            return adapter.validate_json(message.body)
+        except pydantic.ValidationError as exc:
+            kinds = sorted({err["type"] for err in exc.errors()})
+            if "json_invalid" in kinds:
+                raise InvalidPayload("body is not valid JSON") from exc
+            fields = sorted({".".join(map(str, err["loc"])) or "<root>" for err in exc.errors()})
+            raise InvalidPayload(
+                f"body does not match {getattr(annotation, '__name__', annotation)}: "
+                f"{', '.join(kinds)} at {', '.join(fields)}"
+            ) from exc
+
+    return decode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Handler:
+    """A registered handler with its options, validated and compiled."""
+
+    name: str
+    channel: str
+    fn: Callable[..., Awaitable[Any]] = field(repr=False)
+    key_spec: str
+    key_func: KeyFunc = field(repr=False)
+    scope_func: Callable[[Message], str | None] = field(repr=False)
+    decode: Decoder = field(repr=False)
+    takes_context: bool
+    max_attempts: int
+    lease_s: float
+    timeout_s: float | None
+    retry_on: tuple[type[BaseException], ...]
+    retention_s: float
+    backoff_s: float
+    max_backoff_s: float
+
+    def scope_of(self, message: Message) -> str | None:
+        return self.scope_func(message)
+
+
+class App:
+    """A named set of handlers (and, later, webhook sources) run by `dedupe-worker`.
+
+    Args:
+        name: Prefix of every handler's default scope; keep it stable once keys are stored.
+    """
+
+    def __init__(self, name: str) -> None:
+        if not _NAME.match(name):
+            raise ConfigurationError(
+                f"app name {name!r}: use letters, digits, '.', '_' or '-' (it prefixes key scopes)"
+            )
+        self.name = name
+        self.handlers: dict[str, Handler] = {}
+
+    @property
+    def channels(self) -> dict[str, list[Handler]]:
+        """Handlers grouped by channel, in registration order."""
+        grouped: dict[str, list[Handler]] = {}
+        for handler in self.handlers.values():
+            grouped.setdefault(handler.channel, []).append(handler)
+        return grouped
+
+    def handler(
+        self,
+        channel: str,
+        *,
+        key: KeySpec = "message_id",
+        scope: KeySpec | None = None,
+        name: str | None = None,
+        max_attempts: int = 5,
+        lease_s: float = 30.0,
+        timeout_s: float | None = None,
+        retry_on: tuple[type[BaseException], ...] = (Exception,),
+        retention_s: float = 7 * DAY_S,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+    ) -> Callable[[F], F]:
+        """Register an async handler for `channel`.
+
+        Args:
+            channel: A queue on RabbitMQ, a topic on Kafka.
+            key: Where the idempotency key comes from: "message_id", "header:NAME",
+                "body:dotted.path", "kafka:offset", a "|"-separated fallback chain, or a
+                callable (Message) -> str | None.
+            scope: Adds a tenant to the default scope (app.handler): a key spec or callable.
+            name: Handler name (default: the function's name); part of the scope.
+            max_attempts: Runs before a failing message is dead-lettered.
+            lease_s: How long a claim stays ours without a heartbeat.
+            timeout_s: Cancel a run after this long (counts as a failed attempt).
+            retry_on: Exception types that are transient; others dead-letter at once.
+            retention_s: How long a key is remembered after its outcome.
+            backoff_s: First retry delay; doubles up to max_backoff_s, with jitter.
+            max_backoff_s: Longest delay between two attempts.
+        """
+
+        def register(fn: F) -> F:
+            handler_name: str = name or str(getattr(fn, "__name__", ""))
+            where = f"handler {handler_name!r}"
+            is_async: bool = inspect.iscoroutinefunction(fn)
+            if not is_async:
+                raise ConfigurationError(f"{where}: must be an `async def` function")
+            if not _NAME.match(handler_name):
+                raise ConfigurationError(f"{where}: name must match {_NAME.pattern}")
+            if handler_name in self.handlers:
+                raise ConfigurationError(
+                    f"{where}: a handler of that name is already registered on app "
+                    f"{self.name!r}; pass name=... to tell them apart"
+                )
+            if not isinstance(channel, str) or not _NAME.match(channel):
+                raise ConfigurationError(f"{where}: channel {channel!r} must match {_NAME.pattern}")
+            _check_positive(
+                where,
+                max_attempts=max_attempts,
+                lease_s=lease_s,
+                retention_s=retention_s,
+                backoff_s=backoff_s,
+                max_backoff_s=max_backoff_s,
+            )
+            if timeout_s is not None:
+                _check_positive(where, timeout_s=timeout_s)
+            if not isinstance(max_attempts, int):
+                raise ConfigurationError(f"{where}: max_attempts must be an integer")
+            if not (
+                isinstance(retry_on, tuple)
+                and all(isinstance(t, type) and issubclass(t, BaseException) for t in retry_on)
+            ):
+                raise ConfigurationError(f"{where}: retry_on must be a tuple of exception types")
+            horizon_s = max_attempts * (lease_s + max_backoff_s)
+            if retention_s <= horizon_s:
+                raise ConfigurationError(
+                    f"{where}: retention_s={retention_s:g} is shorter than the redelivery "
+                    f"horizon ({horizon_s:g} s = max_attempts x (lease_s + max_backoff_s)); a key "
+                    "could be forgotten while its message is still being redelivered"
+                )
+            if retention_s < DAY_S:
+                logger.warning(
+                    "%s: retention_s=%g is under a day; brokers and webhook senders may "
+                    "redeliver later than that",
+                    where,
+                    retention_s,
+                )
+
+            params = list(inspect.signature(fn).parameters.values())
+            if not 1 <= len(params) <= 2:
+                raise ConfigurationError(
+                    f"{where}: takes (payload) or (payload, ctx: Context), not {len(params)} "
+                    "parameters"
+                )
+            try:
+                hints = typing.get_type_hints(fn)
+            except Exception as exc:
+                raise ConfigurationError(f"{where}: cannot resolve annotations: {exc}") from exc
+            decode = _decoder_for(hints.get(params[0].name, inspect.Parameter.empty), where)
+
+            key_func = compile_key(key)
+            base_scope = f"{self.name}.{handler_name}"
+            scope_func = _compile_scope(base_scope, scope)
+            self.handlers[handler_name] = Handler(
+                name=handler_name,
+                channel=channel,
+                fn=fn,
+                key_spec=key if isinstance(key, str) else getattr(key, "__name__", "callable"),
+                key_func=key_func,
+                scope_func=scope_func,
+                decode=decode,
+                takes_context=len(params) == 2,
+                max_attempts=max_attempts,
+                lease_s=float(lease_s),
+                timeout_s=None if timeout_s is None else float(timeout_s),
+                retry_on=retry_on,
+                retention_s=float(retention_s),
+                backoff_s=float(backoff_s),
+                max_backoff_s=float(max_backoff_s),
+            )
+            return fn
+
+        return register
+
+    def __repr__(self) -> str:
+        return f"App({self.name!r}, handlers={sorted(self.handlers)})"
+
+
+def _check_positive(where: str, **values: float) -> None:
+    for option, value in values.items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            raise ConfigurationError(f"{where}: {option} must be a positive number, got {value!r}")
+
+
+def _compile_scope(base: str, spec: KeySpec | None) -> Callable[[Message], str | None]:
+    if spec is None:
+        return lambda message: base
+    tenant_of = compile_key(spec)
+
+    def scope_of(message: Message) -> str | None:
+        tenant = tenant_of(message)
+        return f"{base}/{tenant}" if tenant else None
+
+    return scope_of
+
+
+__all__ = ["App", "Context", "Handler"]

@@ -1,0 +1,96 @@
+"""What a handler sees besides its payload: the key, the attempt, and `ctx.db`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from .message import Message
+
+
+class Database:
+    """`ctx.db`: an asyncpg connection in the transaction that also records the outcome.
+
+    The transaction starts on first use, so handlers that never touch the database cost no
+    connection; writes made here commit atomically with the claim's completion, or not at all.
+    """
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self._conn: asyncpg.Connection | None = None
+        self._tx: Any = None
+        self._closed = False
+
+    @property
+    def started(self) -> bool:
+        return self._conn is not None
+
+    async def connection(self) -> asyncpg.Connection:
+        """The underlying connection, with the transaction begun."""
+        if self._closed:
+            raise RuntimeError("ctx.db is closed: the handler's run is over")
+        if self._conn is None:
+            conn = await self._pool.acquire()
+            try:
+                tx = conn.transaction()
+                await tx.start()
+            except BaseException:
+                await self._pool.release(conn)
+                raise
+            self._conn, self._tx = conn, tx
+        return self._conn
+
+    async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
+        conn = await self.connection()
+        return str(await conn.execute(query, *args, timeout=timeout))
+
+    async def executemany(self, query: str, args: Any, *, timeout: float | None = None) -> None:
+        conn = await self.connection()
+        await conn.executemany(query, args, timeout=timeout)
+
+    async def fetch(self, query: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        conn = await self.connection()
+        return list(await conn.fetch(query, *args, timeout=timeout))
+
+    async def fetchrow(self, query: str, *args: Any, timeout: float | None = None) -> Any:
+        conn = await self.connection()
+        return await conn.fetchrow(query, *args, timeout=timeout)
+
+    async def fetchval(self, query: str, *args: Any, timeout: float | None = None) -> Any:
+        conn = await self.connection()
+        return await conn.fetchval(query, *args, timeout=timeout)
+
+    async def commit(self) -> None:
+        if self._tx is not None:
+            await self._tx.commit()
+            self._tx = None
+
+    async def close(self) -> None:
+        """Roll back what was not committed and return the connection; safe to call twice."""
+        self._closed = True
+        conn, tx, self._conn, self._tx = self._conn, self._tx, None, None
+        if conn is None:
+            return
+        try:
+            if tx is not None:
+                await tx.rollback()
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            # A broken connection rolls back by itself; the pool discards it below.
+            pass
+        finally:
+            await self._pool.release(conn)
+
+
+@dataclass(slots=True)
+class Context:
+    """Passed to handlers that take a second parameter."""
+
+    key: str
+    scope: str
+    attempt: int
+    message: Message
+    db: Database
+    logger: logging.LoggerAdapter[logging.Logger] = field(repr=False)

@@ -1,0 +1,46 @@
+"""The one exception root and the control-flow signals handlers may raise."""
+
+from __future__ import annotations
+
+
+class DedupeError(Exception):
+    """Something went wrong in dedupe-worker."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__class__.__doc__ or "").strip())
+
+
+class ConfigurationError(DedupeError):
+    """The app, a handler or an option is misconfigured; the message says how to fix it."""
+
+
+class StoreError(DedupeError):
+    """The claim store (PostgreSQL) could not be reached or refused a statement."""
+
+
+class LeaseLost(DedupeError):
+    """Another worker took this key over; this run's writes were rolled back."""
+
+
+class KeyMissing(DedupeError):
+    """The message carries no idempotency key where the handler looks for one."""
+
+
+class InvalidPayload(DedupeError):
+    """The message body could not be decoded into the handler's parameter type."""
+
+
+class Retry(DedupeError):
+    """The handler asks to be run again later (counts as an attempt)."""
+
+    def __init__(self, message: str | None = None, *, delay_s: float | None = None) -> None:
+        super().__init__(message)
+        self.delay_s = delay_s
+
+
+class Reject(DedupeError):
+    """The handler refuses this message for good: it is dead-lettered with the reason."""
+
+    def __init__(self, reason: str = "rejected") -> None:
+        super().__init__(reason)
+        self.reason = reason

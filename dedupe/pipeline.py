@@ -1,0 +1,510 @@
+"""The processing pipeline: claim (batched) -> run -> complete (fenced) -> settle."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic_core
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
+
+from .app import App, Handler
+from .batching import Batcher
+from .context import Context, Database
+from .errors import DedupeError, InvalidPayload, KeyMissing, LeaseLost, Reject, Retry, StoreError
+from .keys import derive_key
+from .message import Message
+from .store import Claim, ClaimRequest, ClaimStore, Fence
+from .transport import ACK, Action, Delivery, Reason, Settlement
+
+logger = logging.getLogger(__name__)
+
+# How many times a key whose row vanished or was not yet visible is claimed again at once.
+RECLAIM_TRIES = 3
+# Severity order used to combine the outcomes of several handlers of one channel.
+_SEVERITY = {Action.ACK: 0, Action.DEFER: 1, Action.REQUEUE: 2, Action.DEAD_LETTER: 3}
+
+
+@dataclass
+class Stats:
+    """Counters of what the pipeline decided, for logs, the demo summary and metrics."""
+
+    completed: int = 0
+    duplicates: int = 0
+    conflicts: int = 0
+    retried: int = 0
+    deferred: int = 0
+    requeued: int = 0
+    lease_lost: int = 0
+    dead_lettered: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "completed": self.completed,
+            "duplicates": self.duplicates,
+            "conflicts": self.conflicts,
+            "retried": self.retried,
+            "deferred": self.deferred,
+            "requeued": self.requeued,
+            "lease_lost": self.lease_lost,
+            "dead_lettered": dict(self.dead_lettered),
+        }
+
+
+@dataclass(eq=False)
+class _Run:
+    """A claim we hold while its handler runs; the heartbeat extends or cancels it."""
+
+    fence: Fence
+    lease_s: float
+    task: asyncio.Task[Any]
+    lost: bool = False
+    stopping: bool = False
+    completing: bool = False
+
+
+def encode_result(value: Any) -> str:
+    """The handler's return value as JSON (pydantic models, dataclasses, datetimes ...)."""
+    try:
+        return pydantic_core.to_json(value).decode()
+    except pydantic_core.PydanticSerializationError:
+        return pydantic_core.to_json(repr(value)).decode()
+
+
+def _dead_letter(reason: Reason, detail: str, fence: Fence | Claim | None = None) -> Settlement:
+    return Settlement(
+        Action.DEAD_LETTER,
+        reason=reason,
+        detail=detail[:500],
+        scope=fence.scope if fence else None,
+        key=fence.key if fence else None,
+    )
+
+
+class Processor:
+    """Runs an app's handlers on batches of deliveries under the claim protocol."""
+
+    def __init__(
+        self,
+        app: App,
+        store: ClaimStore,
+        *,
+        concurrency: int = 32,
+        gc_interval_s: float | None = 300.0,
+        max_defer_s: float = 30.0,
+    ) -> None:
+        self.app = app
+        self.store = store
+        self.stats = Stats()
+        self._channels = app.channels
+        self._slots = asyncio.Semaphore(concurrency)
+        self._runs: dict[tuple[str, str], _Run] = {}
+        self._gc_interval_s = gc_interval_s
+        self._max_defer_s = max_defer_s
+        self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._inflight: set[asyncio.Task[Any]] = set()
+        leases = [h.lease_s for h in app.handlers.values()] or [30.0]
+        self._heartbeat_s = min(leases) / 3
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Processor:
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dedupe-heartbeat"))
+        if self._gc_interval_s:
+            self._tasks.append(asyncio.create_task(self._gc_loop(), name="dedupe-gc"))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.drain(timeout_s=0)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def drain(self, *, timeout_s: float) -> None:
+        """Wait for in-flight messages; past the timeout, give their keys back and requeue."""
+        if self._inflight and timeout_s > 0:
+            await asyncio.wait(set(self._inflight), timeout=timeout_s)
+        for run in list(self._runs.values()):
+            if not run.completing:
+                run.stopping = True
+                run.task.cancel()
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=10)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    # -- processing ------------------------------------------------------------------------
+
+    async def process(self, channel: str, deliveries: Sequence[Delivery]) -> None:
+        """Claim, run and settle a batch of deliveries from one channel."""
+        handlers = self._channels.get(channel)
+        if not handlers:
+            for delivery in deliveries:
+                self.stats.dead_lettered[Reason.NO_HANDLER.value] += 1
+                await delivery.settle(_dead_letter(Reason.NO_HANDLER, f"no handler for {channel}"))
+            return
+        messages = [d.message for d in deliveries]
+        plans = [await self._plan(handler, messages) for handler in handlers]
+        finishing = [
+            asyncio.create_task(self._finish(delivery, [plan[i] for plan in plans]))
+            for i, delivery in enumerate(deliveries)
+        ]
+        self._inflight.update(finishing)
+        try:
+            await asyncio.gather(*finishing)
+        finally:
+            self._inflight.difference_update(finishing)
+
+    async def _finish(self, delivery: Delivery, outcomes: list[Awaitable[Settlement]]) -> None:
+        try:
+            settlements = [await outcome for outcome in outcomes]
+        except Exception:
+            # A bug, not a message problem: give the message back rather than lose it.
+            logger.exception("unexpected error while processing; requeueing the message")
+            settlements = [Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)]
+        settlement = max(settlements, key=lambda s: _SEVERITY[s.action])
+        if settlement.action is Action.DEAD_LETTER and settlement.reason is not None:
+            self.stats.dead_lettered[settlement.reason.value] += 1
+        elif settlement.action is Action.DEFER:
+            self.stats.deferred += 1
+        elif settlement.action is Action.REQUEUE:
+            self.stats.requeued += 1
+        await delivery.settle(settlement)
+
+    async def _plan(
+        self, handler: Handler, messages: Sequence[Message]
+    ) -> list[Awaitable[Settlement]]:
+        """Claim every message's key in one statement; start a task per message."""
+        outcomes: list[Awaitable[Settlement] | None] = [None] * len(messages)
+        first_of: dict[tuple[str, str], int] = {}
+        requests: list[tuple[int, ClaimRequest]] = []
+        repeats: list[tuple[int, int]] = []
+        for i, message in enumerate(messages):
+            try:
+                scope = handler.scope_of(message)
+                if not scope:
+                    raise KeyMissing("the message has no tenant where the handler's scope looks")
+                key = derive_key(handler.key_func, message)
+            except KeyMissing as exc:
+                outcomes[i] = _ready(_dead_letter(Reason.MISSING_KEY, str(exc)))
+                continue
+            except InvalidPayload as exc:
+                outcomes[i] = _ready(_dead_letter(Reason.INVALID_PAYLOAD, str(exc)))
+                continue
+            if (scope, key) in first_of:
+                repeats.append((i, first_of[(scope, key)]))
+                continue
+            first_of[(scope, key)] = i
+            requests.append((i, ClaimRequest(scope, key, message.payload_hash)))
+
+        try:
+            claims = await self.store.claim_batch(
+                [request for _, request in requests],
+                lease_s=handler.lease_s,
+                retention_s=handler.retention_s,
+            )
+        except StoreError as exc:
+            logger.warning("claim failed, requeueing %d messages: %s", len(requests), exc)
+            claims = []
+            for i, _ in requests:
+                outcomes[i] = _ready(Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0))
+        for (i, request), claim in zip(requests, claims, strict=True):
+            outcomes[i] = self._spawn(self._settle_claim(handler, messages[i], request, claim))
+        for i, first in repeats:
+            outcomes[i] = self._spawn(self._after(outcomes[first], handler, messages[i]))
+        return [outcome for outcome in outcomes if outcome is not None]
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Settlement]:
+        task: asyncio.Task[Settlement] = asyncio.create_task(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        return task
+
+    async def _after(
+        self, first: Awaitable[Settlement] | None, handler: Handler, message: Message
+    ) -> Settlement:
+        """A second delivery of a key in the same batch: wait for the first, then claim."""
+        if first is not None:
+            await asyncio.shield(asyncio.ensure_future(first))
+        scope = handler.scope_of(message) or ""
+        request = ClaimRequest(scope, derive_key(handler.key_func, message), message.payload_hash)
+        try:
+            [claim] = await self.store.claim_batch(
+                [request], lease_s=handler.lease_s, retention_s=handler.retention_s
+            )
+        except StoreError as exc:
+            return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
+        return await self._settle_claim(handler, message, request, claim)
+
+    async def _settle_claim(
+        self, handler: Handler, message: Message, request: ClaimRequest, claim: Claim
+    ) -> Settlement:
+        """Decide what a claim's answer means, and run the handler when the key is ours."""
+        for _ in range(RECLAIM_TRIES):
+            if claim.owned or claim.status is not None:
+                break
+            # The row vanished (released, cleaned up) or was committed by a concurrent claim
+            # after our statement's snapshot: ask again.
+            await asyncio.sleep(0.01)
+            try:
+                [claim] = await self.store.claim_batch(
+                    [request], lease_s=handler.lease_s, retention_s=handler.retention_s
+                )
+            except StoreError as exc:
+                return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
+        if claim.owned:
+            assert claim.token is not None
+            fence = Fence(claim.scope, claim.key, claim.token)
+            if claim.attempts > handler.max_attempts:
+                await self._fail(handler, fence, f"{Reason.MAX_ATTEMPTS}: crashed or timed out")
+                return _dead_letter(
+                    Reason.MAX_ATTEMPTS,
+                    f"claimed {claim.attempts} times, more than max_attempts="
+                    f"{handler.max_attempts}; earlier runs never finished (crash loop?)",
+                    fence,
+                )
+            return await self._run(handler, message, fence, claim.attempts)
+        if claim.same_payload is False:
+            self.stats.conflicts += 1
+            logger.warning(
+                "key conflict: %s/%s was used before with another payload",
+                claim.scope,
+                claim.key,
+                extra={"scope": claim.scope, "key": claim.key},
+            )
+            return _dead_letter(
+                Reason.KEY_CONFLICT,
+                f"key {claim.key!r} was first used with another payload (status {claim.status})",
+                claim,
+            )
+        if claim.status in ("completed", "failed"):
+            self.stats.duplicates += 1
+            return Settlement(Action.ACK, duplicate=True, result=claim.result)
+        # In progress elsewhere (or just expired): look again later.
+        delay = min(self._max_defer_s, handler.lease_s / 3 * 2 ** (message.attempt - 1))
+        return Settlement(Action.DEFER, delay_s=delay, detail="key in progress elsewhere")
+
+    async def _run(
+        self, handler: Handler, message: Message, fence: Fence, attempts: int
+    ) -> Settlement:
+        task = asyncio.current_task()
+        assert task is not None
+        run = _Run(fence=fence, lease_s=handler.lease_s, task=task)
+        self._runs[(fence.scope, fence.key)] = run
+        log = logging.LoggerAdapter(
+            logging.getLogger(f"dedupe.handler.{handler.name}"),
+            {"scope": fence.scope, "key": fence.key, "message_id": message.message_id},
+        )
+        try:
+            try:
+                payload = handler.decode(message)
+            except InvalidPayload as exc:
+                await self._fail(handler, fence, f"{Reason.INVALID_PAYLOAD}: {exc}")
+                return _dead_letter(Reason.INVALID_PAYLOAD, str(exc), fence)
+            return await self._attempts(handler, message, payload, run, attempts, log)
+        except asyncio.CancelledError:
+            if not (run.lost or run.stopping):
+                raise
+            task.uncancel()
+            if run.lost:
+                self.stats.lease_lost += 1
+                log.warning("lease lost to another worker; this run's writes were rolled back")
+                return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
+            await self._give_back(fence)
+            return Settlement(Action.REQUEUE, detail="worker stopping")
+        finally:
+            self._runs.pop((fence.scope, fence.key), None)
+
+    async def _attempts(
+        self,
+        handler: Handler,
+        message: Message,
+        payload: Any,
+        run: _Run,
+        attempts: int,
+        log: logging.LoggerAdapter[logging.Logger],
+    ) -> Settlement:
+        """Run the handler until it succeeds, fails for good, or runs out of attempts."""
+        fence = run.fence
+        counted = [attempts]
+        backoff = wait_exponential_jitter(initial=handler.backoff_s, max=handler.max_backoff_s)
+
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            if isinstance(exc, Retry) and exc.delay_s is not None:
+                return float(exc.delay_s)
+            return float(backoff(state))
+
+        def transient(exc: BaseException) -> bool:
+            if isinstance(exc, Retry):
+                return True
+            return isinstance(exc, handler.retry_on) and not isinstance(exc, DedupeError)
+
+        async def record_next_attempt(state: RetryCallState) -> None:
+            self.stats.retried += 1
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning(
+                "attempt %d of %d failed (%s); retrying",
+                counted[0],
+                handler.max_attempts,
+                _describe(exc),
+            )
+            number = await self.store.record_attempt(
+                fence, error=_describe(exc), lease_s=handler.lease_s
+            )
+            if number is None:
+                raise LeaseLost()
+            counted[0] = number
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(transient),
+            stop=lambda _state: counted[0] >= handler.max_attempts,
+            wait=wait,
+            before_sleep=record_next_attempt,
+            reraise=True,
+        )
+        try:
+            result: str = await retrying(
+                self._attempt, handler, message, payload, run, counted, log
+            )
+        except LeaseLost:
+            self.stats.lease_lost += 1
+            return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
+        except StoreError as exc:
+            log.warning("claim store unavailable, requeueing: %s", exc)
+            return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
+        except Reject as exc:
+            await self._fail(handler, fence, f"{Reason.REJECTED}: {exc.reason}")
+            return _dead_letter(Reason.REJECTED, exc.reason, fence)
+        except Exception as exc:
+            if transient(exc):
+                await self._fail(handler, fence, f"{Reason.MAX_ATTEMPTS}: {_describe(exc)}")
+                log.error("dead-lettered after %d attempts: %s", counted[0], _describe(exc))
+                return _dead_letter(
+                    Reason.MAX_ATTEMPTS, f"{counted[0]} attempts, last: {_describe(exc)}", fence
+                )
+            await self._fail(handler, fence, f"{Reason.HANDLER_ERROR}: {_describe(exc)}")
+            log.error("dead-lettered, not retryable: %s", _describe(exc))
+            return _dead_letter(Reason.HANDLER_ERROR, _describe(exc), fence)
+        self.stats.completed += 1
+        return Settlement(Action.ACK, result=result)
+
+    async def _attempt(
+        self,
+        handler: Handler,
+        message: Message,
+        payload: Any,
+        run: _Run,
+        counted: list[int],
+        log: logging.LoggerAdapter[logging.Logger],
+    ) -> str:
+        """One run of the handler, then its completion, atomically with its ctx.db writes."""
+        fence = run.fence
+        db = Database(self.store.pool)
+        try:
+            async with self._slots:
+                if handler.takes_context:
+                    ctx = Context(
+                        key=fence.key,
+                        scope=fence.scope,
+                        attempt=counted[0],
+                        message=message,
+                        db=db,
+                        logger=log,
+                    )
+                    call = handler.fn(payload, ctx)
+                else:
+                    call = handler.fn(payload)
+                if handler.timeout_s is not None:
+                    async with asyncio.timeout(handler.timeout_s):
+                        value = await call
+                else:
+                    value = await call
+            result = encode_result(value)
+            run.completing = True
+            if db.started:
+                done = await self.store.complete(
+                    [(fence, result, handler.retention_s)], conn=await db.connection()
+                )
+                if not done:
+                    raise LeaseLost()
+                await db.commit()
+            elif not await self._completer.submit((fence, result, handler.retention_s)):
+                raise LeaseLost()
+            return result
+        finally:
+            run.completing = False
+            await db.close()
+
+    async def _complete_batch(self, items: Sequence[tuple[Fence, str, float]]) -> list[bool]:
+        done = await self.store.complete(items)
+        return [(fence.scope, fence.key) in done for fence, _, _ in items]
+
+    async def _fail(self, handler: Handler, fence: Fence, error: str) -> None:
+        try:
+            await self.store.fail(fence, error=error[:1000], retention_s=handler.retention_s)
+        except StoreError as exc:
+            # The claim stays in progress until its lease lapses; the dead letter still goes out.
+            logger.warning("could not mark %s/%s failed: %s", fence.scope, fence.key, exc)
+
+    async def _give_back(self, fence: Fence) -> None:
+        try:
+            await self.store.give_back(fence)
+        except StoreError as exc:
+            logger.warning("could not give back %s/%s: %s", fence.scope, fence.key, exc)
+
+    # -- background work -------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            runs = [run for run in self._runs.values() if not run.completing]
+            if not runs:
+                continue
+            try:
+                ours = await self.store.heartbeat([(run.fence, run.lease_s) for run in runs])
+            except StoreError as exc:
+                logger.warning("heartbeat failed (leases may lapse): %s", exc)
+                continue
+            for run in runs:
+                if (run.fence.scope, run.fence.key) not in ours and not run.completing:
+                    run.lost = True
+                    run.task.cancel()
+
+    async def _gc_loop(self) -> None:
+        assert self._gc_interval_s
+        while True:
+            await asyncio.sleep(self._gc_interval_s)
+            try:
+                deleted = await self.store.gc()
+            except StoreError as exc:
+                logger.warning("clean-up failed: %s", exc)
+                continue
+            if deleted:
+                logger.info("clean-up removed %d expired claims", deleted)
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown error"
+    if isinstance(exc, TimeoutError):
+        return "TimeoutError: handler timed out"
+    text = str(exc)
+    return f"{exc.__class__.__name__}: {text[:300]}" if text else exc.__class__.__name__
+
+
+def _ready(settlement: Settlement) -> asyncio.Future[Settlement]:
+    future: asyncio.Future[Settlement] = asyncio.get_running_loop().create_future()
+    future.set_result(settlement)
+    return future
+
+
+__all__ = ["ACK", "Processor", "Stats", "encode_result"]

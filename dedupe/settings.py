@@ -1,0 +1,55 @@
+"""Configuration, validated once at the edge: CLI options override DEDUPE_* variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DATABASE_URL = "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
+DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+
+class Settings(BaseSettings):
+    """Every option of `dedupe-worker`; each reads DEDUPE_<NAME> from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="DEDUPE_", frozen=True, extra="ignore")
+
+    database_url: str = DEFAULT_DATABASE_URL
+    broker_url: str = DEFAULT_BROKER_URL
+    concurrency: int = Field(32, ge=1, le=10_000)
+    prefetch: int | None = Field(None, ge=1, le=65_535)
+    shutdown_timeout_s: float = Field(30.0, ge=0)
+    connect_timeout_s: float = Field(60.0, ge=0)
+    gc_interval_s: float = Field(300.0, ge=0)
+    stats_interval_s: float = Field(10.0, ge=0)
+    worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    log_level: str = "INFO"
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        value = value.upper()
+        if value not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError("use DEBUG, INFO, WARNING or ERROR")
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_url(cls, value: str) -> str:
+        if not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("expected postgresql://user:password@host:port/database")
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _known_broker(cls, value: str) -> str:
+        if not value.startswith(("amqp://", "amqps://", "kafka://")):
+            raise ValueError("expected amqp://... (RabbitMQ) or kafka://host:port (Kafka)")
+        return value
+
+    @property
+    def effective_prefetch(self) -> int:
+        return self.prefetch or self.concurrency * 2

@@ -1,0 +1,118 @@
+-- Named queries of the claim store. Each block starts with a line `-- name: <query_name>`.
+-- Times come from the database's now(), never from a worker's clock.
+
+-- name: claim_batch
+-- Claim many keys in one statement. One row comes back per input key: a token when we own
+-- the key (new, or taken over from an expired lease / a released failure), otherwise the
+-- state of the row that stands in our way. Inputs are sorted so that two workers claiming
+-- overlapping batches lock rows in the same order and never deadlock.
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[]) AS i(scope, key, payload_hash)
+),
+claimed AS (
+    INSERT INTO dedupe_claims AS c
+        (scope, key, payload_hash, status, token, owner, attempts, lease_until, expires_at)
+    SELECT scope, key, payload_hash, 'in_progress', 1, $4, 1,
+           now() + make_interval(secs => $5), now() + make_interval(secs => $6)
+    FROM input
+    ORDER BY scope, key
+    ON CONFLICT (scope, key) DO UPDATE
+        SET token = c.token + 1, owner = EXCLUDED.owner, attempts = c.attempts + 1,
+            status = 'in_progress', retryable = false, lease_until = EXCLUDED.lease_until,
+            error = NULL, updated_at = now(), expires_at = EXCLUDED.expires_at
+        WHERE c.payload_hash = EXCLUDED.payload_hash
+          AND ((c.status = 'in_progress' AND c.lease_until < now())
+               OR (c.status = 'failed' AND c.retryable))
+    RETURNING c.scope, c.key, c.token, c.attempts
+)
+SELECT i.scope, i.key, cl.token, cl.attempts,
+       e.status, e.payload_hash = i.payload_hash AS same_payload,
+       e.lease_until > now() AS lease_live, e.result::text AS result, e.error,
+       e.attempts AS existing_attempts
+FROM input i
+LEFT JOIN claimed cl ON cl.scope = i.scope AND cl.key = i.key
+LEFT JOIN dedupe_claims e ON cl.token IS NULL AND e.scope = i.scope AND e.key = i.key;
+
+-- name: heartbeat
+-- Extend the leases we still hold; the rows that come back are the ones still ours.
+UPDATE dedupe_claims AS c
+   SET lease_until = now() + make_interval(secs => i.lease_s), updated_at = now()
+  FROM unnest($1::text[], $2::text[], $3::bigint[], $4::float8[]) AS i(scope, key, token, lease_s)
+ WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token AND c.status = 'in_progress'
+RETURNING c.scope, c.key;
+
+-- name: complete
+-- Record outcomes, fenced by the token: a key taken over by another worker is not ours to
+-- complete. Run inside the handler's transaction when it wrote through ctx.db.
+UPDATE dedupe_claims AS c
+   SET status = 'completed', result = i.result::jsonb, lease_until = NULL, error = NULL,
+       updated_at = now(), expires_at = now() + make_interval(secs => i.retention_s)
+  FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::float8[])
+       AS i(scope, key, token, result, retention_s)
+ WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token AND c.status = 'in_progress'
+RETURNING c.scope, c.key;
+
+-- name: record_attempt
+-- A transient failure: count the next attempt before running it, so crash loops are counted.
+UPDATE dedupe_claims
+   SET attempts = attempts + 1, error = $4, lease_until = now() + make_interval(secs => $5),
+       updated_at = now()
+ WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
+RETURNING attempts;
+
+-- name: fail
+-- A terminal failure (dead-lettered): duplicates of this key are acknowledged from now on.
+UPDATE dedupe_claims
+   SET status = 'failed', retryable = false, error = $4, lease_until = NULL, updated_at = now(),
+       expires_at = now() + make_interval(secs => $5)
+ WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
+RETURNING 1;
+
+-- name: give_back
+-- Graceful shutdown: hand the key back at once and do not count the interrupted attempt.
+UPDATE dedupe_claims
+   SET lease_until = now(), attempts = greatest(attempts - 1, 0), updated_at = now()
+ WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
+RETURNING 1;
+
+-- name: release
+-- Operator: make a stuck or failed key processable again. The next claim bumps the token,
+-- so a worker that still runs the key cannot complete it. Completed keys are left alone.
+UPDATE dedupe_claims
+   SET lease_until = now(), retryable = true, updated_at = now()
+ WHERE scope = $1 AND key = $2 AND status IN ('in_progress', 'failed')
+RETURNING status;
+
+-- name: gc_batch
+-- Delete one batch of expired rows. SKIP LOCKED keeps clean-up out of the workers' way.
+DELETE FROM dedupe_claims
+ WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM dedupe_claims
+         WHERE expires_at < now() AND (status <> 'in_progress' OR lease_until < now())
+         ORDER BY expires_at
+         LIMIT $1
+           FOR UPDATE SKIP LOCKED));
+
+-- name: list_claims
+SELECT scope, key, status, retryable, token, owner, attempts, lease_until, error,
+       created_at, updated_at, expires_at,
+       extract(epoch FROM now() - created_at)::float8 AS age_s
+  FROM dedupe_claims
+ WHERE ($1::text IS NULL OR scope = $1 OR scope LIKE $1 || '/%')
+   AND ($2::text IS NULL OR status = $2)
+   AND ($3::float8 IS NULL OR created_at < now() - make_interval(secs => $3))
+ ORDER BY created_at DESC
+ LIMIT $4;
+
+-- name: show_claim
+SELECT scope, key, encode(payload_hash, 'hex') AS payload_hash, status, retryable, token, owner,
+       attempts, lease_until, result::text AS result, error, created_at, updated_at, expires_at,
+       lease_until > now() AS lease_live
+  FROM dedupe_claims
+ WHERE scope = $1 AND key = $2;
+
+-- name: count_by_status
+SELECT scope, status, count(*)::bigint AS n
+  FROM dedupe_claims
+ GROUP BY scope, status
+ ORDER BY scope, status;

@@ -1,0 +1,306 @@
+"""The claim store: the claim protocol's statements on PostgreSQL through asyncpg."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from .errors import StoreError
+from .sql import migrations, queries
+
+logger = logging.getLogger(__name__)
+
+GC_LOCK_ID = 0x6465_6475_7065  # "dedupe": one clean-up at a time across all workers
+MIGRATE_LOCK_ID = GC_LOCK_ID + 1
+
+# Errors after which the same statement may simply be sent again.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    ConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.DeadlockDetectedError,
+    asyncpg.SerializationError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.QueryCanceledError,
+)
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, fit for logs and error messages."""
+    parts = urlsplit(dsn)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return dsn
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    scope: str
+    key: str
+    payload_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The answer to one claim: ours (a token) or the state of the row in the way."""
+
+    scope: str
+    key: str
+    token: int | None
+    attempts: int
+    status: str | None = None
+    same_payload: bool | None = None
+    lease_live: bool | None = None
+    result: str | None = None
+    error: str | None = None
+
+    @property
+    def owned(self) -> bool:
+        return self.token is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A claim we hold: the token proves it at heartbeat and completion."""
+
+    scope: str
+    key: str
+    token: int
+
+
+class ClaimStore:
+    """Claims, leases, outcomes and clean-up on one asyncpg pool."""
+
+    def __init__(self, pool: asyncpg.Pool, *, owner: str) -> None:
+        self.pool = pool
+        self.owner = owner
+        self._q = queries()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, dsn: str, *, owner: str, min_size: int = 1, max_size: int = 10
+    ) -> AsyncIterator[ClaimStore]:
+        """Connect a pool, yield a store, close the pool on exit."""
+        pool = await connect_pool(dsn, min_size=min_size, max_size=max_size)
+        try:
+            yield cls(pool, owner=owner)
+        finally:
+            await pool.close()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    async def _fetch(self, name: str, *args: Any, conn: Any = None) -> list[asyncpg.Record]:
+        try:
+            if conn is not None:
+                return list(await conn.fetch(self._q[name], *args))
+            return list(await self.pool.fetch(self._q[name], *args))
+        except TRANSIENT_ERRORS as exc:
+            raise StoreError(f"{name} failed: {exc.__class__.__name__}: {exc}") from exc
+        except asyncpg.PostgresError as exc:
+            raise StoreError(f"{name} was refused by PostgreSQL: {exc}") from exc
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        """A pooled connection inside a transaction (commit on success, roll back on error)."""
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                yield conn
+        except TRANSIENT_ERRORS as exc:
+            raise StoreError(f"transaction failed: {exc.__class__.__name__}: {exc}") from exc
+
+    # -- the claim protocol ----------------------------------------------------------
+
+    async def claim_batch(
+        self, requests: Sequence[ClaimRequest], *, lease_s: float, retention_s: float
+    ) -> list[Claim]:
+        """Claim every key in one statement; keys must be distinct within the batch."""
+        if not requests:
+            return []
+        rows = await self._fetch(
+            "claim_batch",
+            [r.scope for r in requests],
+            [r.key for r in requests],
+            [r.payload_hash for r in requests],
+            self.owner,
+            float(lease_s),
+            float(retention_s),
+        )
+        by_key = {
+            (row["scope"], row["key"]): Claim(
+                scope=row["scope"],
+                key=row["key"],
+                token=row["token"],
+                attempts=row["attempts"] or row["existing_attempts"] or 0,
+                status=row["status"],
+                same_payload=row["same_payload"],
+                lease_live=row["lease_live"],
+                result=row["result"],
+                error=row["error"],
+            )
+            for row in rows
+        }
+        return [by_key[(r.scope, r.key)] for r in requests]
+
+    async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[tuple[str, str]]:
+        """Extend leases; return the (scope, key) pairs that are still ours."""
+        if not leases:
+            return set()
+        rows = await self._fetch(
+            "heartbeat",
+            [f.scope for f, _ in leases],
+            [f.key for f, _ in leases],
+            [f.token for f, _ in leases],
+            [float(lease_s) for _, lease_s in leases],
+        )
+        return {(row["scope"], row["key"]) for row in rows}
+
+    async def complete(
+        self,
+        outcomes: Sequence[tuple[Fence, str, float]],
+        *,
+        conn: asyncpg.Connection | None = None,
+    ) -> set[tuple[str, str]]:
+        """Record (fence, result_json, retention_s) outcomes; return the keys completed."""
+        if not outcomes:
+            return set()
+        rows = await self._fetch(
+            "complete",
+            [f.scope for f, _, _ in outcomes],
+            [f.key for f, _, _ in outcomes],
+            [f.token for f, _, _ in outcomes],
+            [result for _, result, _ in outcomes],
+            [float(retention_s) for _, _, retention_s in outcomes],
+            conn=conn,
+        )
+        return {(row["scope"], row["key"]) for row in rows}
+
+    async def record_attempt(self, fence: Fence, *, error: str, lease_s: float) -> int | None:
+        """Count the next attempt; None when the key is no longer ours."""
+        rows = await self._fetch(
+            "record_attempt", fence.scope, fence.key, fence.token, error, float(lease_s)
+        )
+        return int(rows[0]["attempts"]) if rows else None
+
+    async def fail(self, fence: Fence, *, error: str, retention_s: float) -> bool:
+        """Mark the key failed for good; False when it was no longer ours."""
+        rows = await self._fetch(
+            "fail", fence.scope, fence.key, fence.token, error, float(retention_s)
+        )
+        return bool(rows)
+
+    async def give_back(self, fence: Fence) -> bool:
+        """Release our lease at once (graceful shutdown)."""
+        rows = await self._fetch("give_back", fence.scope, fence.key, fence.token)
+        return bool(rows)
+
+    # -- operations ----------------------------------------------------------------------
+
+    async def release(self, scope: str, key: str) -> str | None:
+        """Make a stuck or failed key claimable again; return its status, None if not found."""
+        rows = await self._fetch("release", scope, key)
+        return str(rows[0]["status"]) if rows else None
+
+    async def gc(self, *, batch_size: int = 1000, max_batches: int = 100) -> int | None:
+        """Delete expired rows in batches under an advisory lock; None if another holds it."""
+        deleted = 0
+        try:
+            async with self.pool.acquire() as conn:
+                if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", GC_LOCK_ID):
+                    return None
+                try:
+                    for _ in range(max_batches):
+                        status = await conn.execute(self._q["gc_batch"], batch_size)
+                        count = int(status.split()[-1])
+                        deleted += count
+                        if count < batch_size:
+                            break
+                finally:
+                    await conn.execute("SELECT pg_advisory_unlock($1)", GC_LOCK_ID)
+        except TRANSIENT_ERRORS as exc:
+            raise StoreError(f"clean-up failed: {exc}") from exc
+        return deleted
+
+    async def list_claims(
+        self,
+        *,
+        scope: str | None = None,
+        status: str | None = None,
+        older_than_s: float | None = None,
+        limit: int = 50,
+    ) -> list[dict[str, Any]]:
+        rows = await self._fetch("list_claims", scope, status, older_than_s, limit)
+        return [dict(row) for row in rows]
+
+    async def show_claim(self, scope: str, key: str) -> dict[str, Any] | None:
+        rows = await self._fetch("show_claim", scope, key)
+        return dict(rows[0]) if rows else None
+
+    async def count_by_status(self) -> list[dict[str, Any]]:
+        return [dict(row) for row in await self._fetch("count_by_status")]
+
+
+async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
+    """Create a pool or raise StoreError that says how to reach the database."""
+    try:
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=10,
+            server_settings={"application_name": "dedupe-worker"},
+        )
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise StoreError(
+            f"cannot connect to PostgreSQL at {redact(dsn)}: {exc}. Is it running "
+            "(`make services`)? Set the URL with --database or DEDUPE_DATABASE_URL."
+        ) from exc
+    assert pool is not None
+    return pool
+
+
+async def migrate(dsn: str) -> list[str]:
+    """Apply the numbered migrations not yet applied; return the names applied."""
+    applied: list[str] = []
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise StoreError(
+            f"cannot connect to PostgreSQL at {redact(dsn)}: {exc}. Is it running "
+            "(`make services`)? Set the URL with --database or DEDUPE_DATABASE_URL."
+        ) from exc
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATE_LOCK_ID)
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS dedupe_migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {r["version"] for r in await conn.fetch("SELECT version FROM dedupe_migrations")}
+            for version, name, sql in migrations():
+                if version in done:
+                    continue
+                await conn.execute(sql)
+                await conn.execute(
+                    "INSERT INTO dedupe_migrations (version, name) VALUES ($1, $2)", version, name
+                )
+                applied.append(f"{version:04d}_{name}")
+    except asyncpg.PostgresError as exc:
+        raise StoreError(f"migration failed: {exc}") from exc
+    finally:
+        await conn.close()
+    return applied
+
+
+def fences(claims: Iterable[Claim]) -> list[Fence]:
+    return [Fence(c.scope, c.key, c.token) for c in claims if c.token is not None]

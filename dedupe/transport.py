@@ -1,0 +1,70 @@
+"""What the core tells a transport to do with a delivery, and what a transport must offer."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .message import Message
+
+
+class Action(enum.StrEnum):
+    ACK = "ack"  # outcome recorded (or a duplicate of one): acknowledge, never run again
+    DEAD_LETTER = "dead_letter"  # move to <channel>.dlq with the reason in headers
+    DEFER = "defer"  # someone else holds the key: deliver again after delay_s
+    REQUEUE = "requeue"  # we stop (or the store is down): give it back to the broker
+
+
+class Reason(enum.StrEnum):
+    """Why a message went to the dead-letter queue (the `x-dedupe-reason` header)."""
+
+    KEY_CONFLICT = "key_conflict"
+    MISSING_KEY = "missing_key"
+    INVALID_PAYLOAD = "invalid_payload"
+    MAX_ATTEMPTS = "max_attempts_exceeded"
+    REJECTED = "rejected"
+    HANDLER_ERROR = "handler_error"
+    NO_HANDLER = "no_handler"
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    action: Action
+    reason: Reason | None = None
+    detail: str | None = None
+    delay_s: float = 0.0
+    duplicate: bool = False
+    result: str | None = None  # the stored outcome (JSON), for transports with a reply path
+    scope: str | None = None  # the claim concerned, carried into dead-letter headers
+    key: str | None = None
+
+
+ACK = Settlement(Action.ACK)
+
+
+class Delivery(Protocol):
+    """A message plus the means to settle it with the broker."""
+
+    @property
+    def message(self) -> Message: ...
+
+    async def settle(self, settlement: Settlement) -> None: ...
+
+
+Process = Callable[[str, Sequence[Delivery]], Coroutine[Any, Any, None]]
+
+
+class Transport(abc.ABC):
+    """A broker adapter: consume channels, hand deliveries to `process`, settle as told."""
+
+    @abc.abstractmethod
+    async def serve(self, channels: Sequence[str], process: Process, stop: asyncio.Event) -> None:
+        """Consume until `stop` is set, then stop taking new deliveries and return."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections; safe to call twice."""

@@ -1,0 +1,1 @@
+"""Example apps used by the README, `make demo` and the acceptance tests."""
