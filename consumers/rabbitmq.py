@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 try:
@@ -288,8 +288,18 @@ async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[
     return found
 
 
-async def replay_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
-    """Move up to `limit` dead letters back to their channel (confirmed before removal)."""
+async def replay_dead_letters(
+    url: str,
+    channel: str,
+    *,
+    limit: int,
+    release: Callable[[str, str], Awaitable[object]] | None = None,
+) -> list[dict[str, Any]]:
+    """Move up to `limit` dead letters back to their channel (confirmed before removal).
+
+    `release(scope, key)` runs before each message is republished, so that its failed claim
+    is claimable again by the time a worker sees it.
+    """
     moved: list[dict[str, Any]] = []
     connection = await aio_pika.connect(url, timeout=10)
     async with connection:
@@ -312,6 +322,8 @@ async def replay_dead_letters(url: str, channel: str, *, limit: int) -> list[dic
             )
             for name in OWN_HEADERS:
                 headers.pop(name, None)
+            if release is not None and info.get(SCOPE_HEADER) and info.get(KEY_HEADER):
+                await release(info[SCOPE_HEADER], info[KEY_HEADER])
             await amqp.default_exchange.publish(copy_of(incoming, headers=headers), channel)
             await incoming.ack()
     return moved

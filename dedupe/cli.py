@@ -353,15 +353,19 @@ async def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
     ):
         print("nothing done")
         return 1
-    moved = await rabbitmq.replay_dead_letters(settings.broker_url, args.channel, limit=args.limit)
-    released = 0
+    released: list[str] = []
     async with ClaimStore.open(settings.database_url, owner="admin") as store:
-        for row in moved:
-            if row["scope"] and row["key"] and await store.release(row["scope"], row["key"]):
-                released += 1
+
+        async def release(scope: str, key: str) -> None:
+            if await store.release(scope, key):
+                released.append(key)
+
+        moved = await rabbitmq.replay_dead_letters(
+            settings.broker_url, args.channel, limit=args.limit, release=release
+        )
     print(
-        f"replayed {len(moved)} dead letter(s) to {args.channel}; released {released} failed "
-        "claim(s) so they run again"
+        f"replayed {len(moved)} dead letter(s) to {args.channel}; released {len(released)} "
+        "failed claim(s) so they run again"
     )
     return 0
 

@@ -96,6 +96,7 @@ class Processor:
         concurrency: int = 32,
         gc_interval_s: float | None = 300.0,
         max_defer_s: float = 30.0,
+        heartbeat_s: float | None = None,
     ) -> None:
         self.app = app
         self.store = store
@@ -109,7 +110,7 @@ class Processor:
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[Any]] = set()
         leases = [h.lease_s for h in app.handlers.values()] or [30.0]
-        self._heartbeat_s = min(leases) / 3
+        self._heartbeat_s = heartbeat_s or min(leases) / 3
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -335,7 +336,9 @@ class Processor:
         """Run the handler until it succeeds, fails for good, or runs out of attempts."""
         fence = run.fence
         counted = [attempts]
-        backoff = wait_exponential_jitter(initial=handler.backoff_s, max=handler.max_backoff_s)
+        backoff = wait_exponential_jitter(
+            multiplier=handler.backoff_s, max=handler.max_backoff_s, jitter=handler.backoff_s
+        )
 
         def wait(state: RetryCallState) -> float:
             exc = state.outcome.exception() if state.outcome else None

@@ -76,10 +76,11 @@ UPDATE dedupe_claims
 RETURNING 1;
 
 -- name: release
--- Operator: make a stuck or failed key processable again. The next claim bumps the token,
--- so a worker that still runs the key cannot complete it. Completed keys are left alone.
+-- Operator: make a stuck or failed key processable again, with a fresh attempt count. The
+-- next claim bumps the token, so a worker that still runs the key cannot complete it.
+-- Completed keys are left alone: their effects happened.
 UPDATE dedupe_claims
-   SET lease_until = now(), retryable = true, updated_at = now()
+   SET lease_until = now(), retryable = true, attempts = 0, updated_at = now()
  WHERE scope = $1 AND key = $2 AND status IN ('in_progress', 'failed')
 RETURNING status;
 

@@ -1,0 +1,53 @@
+# dedupe-worker: `make demo` and `make test` work on a fresh machine (they install what they need).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+BROKER ?= rabbitmq
+PYTEST_ARGS ?=
+
+export DEDUPE_DATABASE_URL ?= postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe
+
+.PHONY: help install services services-down services-status demo test test-unit lint format clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install the package with its dev tools
+
+services:  ## install (apt, Maven) and start PostgreSQL, RabbitMQ and Kafka on 127.0.0.1
+	bash scripts/services.sh up
+
+services-down:  ## stop the local services
+	bash scripts/services.sh down
+
+services-status:  ## show which local services are up
+	bash scripts/services.sh status
+
+demo: install services  ## the main job end to end: duplicates, a crash, a summary (BROKER=rabbitmq|kafka)
+	$(BIN)/python scripts/demo.py --broker $(BROKER)
+
+test: install services  ## run the whole test suite against the real services
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: install  ## only the tests that need no service
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: install  ## ruff format check, ruff lint, mypy --strict
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+format: install  ## apply ruff format and the safe fixes
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:  ## remove the virtualenv and caches (not the services' data)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,239 @@
+"""The real `dedupe-worker` command as a subprocess: crashes, restarts, signals, admin."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from consumers import rabbitmq
+from tests.conftest import ROOT, eventually
+
+CLI = [sys.executable, "-m", "dedupe.cli"]
+
+
+@pytest.fixture
+async def effects(db: asyncpg.Connection) -> asyncpg.Connection:
+    await db.execute("CREATE TABLE effects (key text NOT NULL, n int NOT NULL, pid int)")
+    return db
+
+
+@pytest.fixture
+def spawn(
+    db_url: str, amqp_url: str, channel: str, tmp_path: Path
+) -> AsyncIterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start `dedupe-worker run tests.apps.crashy:app` processes; kill leftovers at the end."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*extra: str, lease_s: float = 2.0) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "DEDUPE_DATABASE_URL": db_url,
+            "DEDUPE_BROKER_URL": amqp_url,
+            "DEDUPE_STATS_INTERVAL_S": "1",
+            "CRASHY_CHANNEL": channel,
+            "CRASHY_LEASE_S": str(lease_s),
+            "PYTHONPATH": str(ROOT),
+        }
+        log = open(tmp_path / f"worker-{len(procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [*CLI, "run", "tests.apps.crashy:app", "--concurrency", "8", *extra],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start  # type: ignore[misc]
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+async def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
+    return await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s)
+
+
+def payload(n: int, **extra: object) -> bytes:
+    return json.dumps({"n": n, **extra}).encode()
+
+
+async def test_kill_9_mid_run_and_restart_loses_nothing_and_runs_each_key_once(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    amqp_url: str,
+    channel: str,
+    effects: asyncpg.Connection,
+) -> None:
+    """Two workers, one SIGKILLed mid-stream and restarted: every key's effect exactly once."""
+    unique = 400
+    messages = [(payload(i, sleep_s=0.005), {}, f"k{i}") for i in range(unique)]
+    messages += messages[: unique // 3]  # a third published twice
+    await rabbitmq.publish(amqp_url, channel, messages)
+    victim = spawn(lease_s=1.0)
+    spawn(lease_s=1.0)
+
+    async def some_done() -> bool:
+        return bool(await effects.fetchval("SELECT count(*) >= 60 FROM effects"))
+
+    await eventually(some_done)
+    victim.send_signal(signal.SIGKILL)
+    assert await wait_exit(victim) == -signal.SIGKILL
+    spawn(lease_s=1.0)
+
+    async def all_done() -> int:
+        n = await effects.fetchval("SELECT count(DISTINCT key) FROM effects")
+        return bool(n == unique)
+
+    await eventually(all_done, timeout_s=60)
+    await asyncio.sleep(1.5)  # let stragglers (deferred copies) settle
+    assert await effects.fetchval("SELECT count(*) FROM effects") == unique
+    assert (
+        await effects.fetchval("SELECT count(*) FROM dedupe_claims WHERE status = 'completed'")
+        == unique
+    )
+
+
+async def test_a_message_that_kills_its_worker_is_dead_lettered_after_max_attempts(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    amqp_url: str,
+    channel: str,
+    effects: asyncpg.Connection,
+) -> None:
+    """Attempts are counted in the claim, so a crash loop ends in the DLQ, not forever."""
+    await rabbitmq.publish(
+        amqp_url, channel, [(payload(1, crash=True), {}, "poison"), (payload(2), {}, "fine")]
+    )
+    crashes = 0
+    for _ in range(8):  # bounded: max_attempts is 3
+        worker = spawn(lease_s=0.5)
+        try:
+            code = await wait_exit(worker, timeout_s=8)
+        except TimeoutError:
+            break  # it survived: the poison message is gone
+        assert code == 17
+        crashes += 1
+    assert crashes == 3
+
+    async def dead_lettered() -> list[dict[str, object]]:
+        return await rabbitmq.peek_dead_letters(amqp_url, channel, limit=5)
+
+    letters = await eventually(dead_lettered)
+    assert [(d["key"], d["reason"]) for d in letters] == [("poison", "max_attempts_exceeded")]
+    assert await effects.fetchval("SELECT count(*) FROM effects WHERE key = 'fine'") == 1
+
+
+async def test_sigterm_lets_in_flight_work_finish_and_exits_cleanly(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    amqp_url: str,
+    channel: str,
+    effects: asyncpg.Connection,
+    tmp_path: Path,
+) -> None:
+    """On SIGTERM the worker stops consuming, completes what it runs, and exits 0."""
+    await rabbitmq.publish(
+        amqp_url, channel, [(payload(i, sleep_s=1.0), {}, f"k{i}") for i in range(4)]
+    )
+    worker = spawn("--shutdown-timeout-s", "10")
+
+    async def started() -> bool:
+        return bool(
+            await effects.fetchval(
+                "SELECT count(*) > 0 FROM dedupe_claims WHERE status = 'in_progress'"
+            )
+        )
+
+    await eventually(started)
+    worker.send_signal(signal.SIGTERM)
+    assert await wait_exit(worker) == 0
+    assert (
+        await effects.fetchval("SELECT count(*) FROM dedupe_claims WHERE status = 'in_progress'")
+        == 0
+    )
+    log = (tmp_path / "worker-0.log").read_text()
+    assert "SIGTERM received" in log
+
+
+def test_cli_errors_say_what_to_do(db_url: str, tmp_path: Path) -> None:
+    """Unknown module, unreachable database, an app without handlers, a missing migration."""
+    unknown = run_cli("run", "no_such_module:app", "--database", db_url)
+    assert unknown.returncode == 1
+    assert "cannot import module 'no_such_module'" in unknown.stderr
+
+    bad_target = run_cli("run", "handlers.payments", "--database", db_url)
+    assert bad_target.returncode == 1 and "MODULE:APP" in bad_target.stderr
+
+    down = run_cli("migrate", "--database", "postgresql://dedupe:secret@127.0.0.1:1/x")
+    assert down.returncode == 1
+    assert "cannot connect to PostgreSQL" in down.stderr and "make services" in down.stderr
+    assert "secret" not in down.stderr
+
+    (tmp_path / "empty_app.py").write_text("from dedupe import App\napp = App('empty')\n")
+    empty = run_cli("run", "empty_app:app", env={"PYTHONPATH": str(tmp_path)})
+    assert empty.returncode == 1 and "has no handlers" in empty.stderr
+
+    invalid = run_cli("run", "handlers.payments:app", "--broker", "http://x")
+    assert invalid.returncode == 2 and "broker_url" in invalid.stderr
+
+
+async def test_run_refuses_an_unmigrated_database(admin_free_db: str) -> None:
+    """A worker on a database without the claims table says to run migrate."""
+    result = run_cli("run", "handlers.payments:app", "--database", admin_free_db)
+    assert result.returncode == 1
+    assert "dedupe-worker migrate" in result.stderr
+
+
+@pytest.fixture
+async def admin_free_db(db_url: str) -> str:
+    """A database with no dedupe tables at all."""
+    conn = await asyncpg.connect(db_url)
+    await conn.execute("DROP TABLE dedupe_claims, dedupe_migrations")
+    await conn.close()
+    return db_url
+
+
+async def test_migrate_is_idempotent_and_claims_commands_inspect_and_release(
+    db_url: str, db: asyncpg.Connection
+) -> None:
+    """migrate twice is a no-op; claims list/show/release work; release needs --yes off a tty."""
+    env = {"DEDUPE_DATABASE_URL": db_url}
+    assert "up to date" in run_cli("migrate", env=env).stdout
+    await db.execute(
+        "INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, expires_at)"
+        " VALUES ('shop.charge', 'k1', '\\x00', 'failed', 'w', now() + interval '1 day'),"
+        "        ('shop.charge', 'k2', '\\x00', 'completed', 'w', now() + interval '1 day')"
+    )
+    listed = run_cli("claims", "list", "--status", "failed", "--json", env=env)
+    assert [row["key"] for row in json.loads(listed.stdout)] == ["k1"]
+    shown = run_cli("claims", "show", "shop.charge", "k2", env=env)
+    assert json.loads(shown.stdout)["status"] == "completed"
+
+    unconfirmed = run_cli("claims", "release", "shop.charge", "k1", env=env)
+    assert unconfirmed.returncode == 1 and "--yes" in unconfirmed.stderr
+    released = run_cli("claims", "release", "shop.charge", "k1", "--yes", env=env)
+    assert released.returncode == 0 and "was failed" in released.stdout
+    refused = run_cli("claims", "release", "shop.charge", "k2", "--yes", env=env)
+    assert refused.returncode == 1 and "never released" in refused.stderr
+    assert await db.fetchval("SELECT retryable FROM dedupe_claims WHERE key = 'k1'") is True

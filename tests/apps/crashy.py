@@ -1,0 +1,40 @@
+"""A test app for worker processes: writes one effect per key; `{"crash": true}` kills the
+worker outright (a poison message that no try/except can catch).
+
+Test-only: the channel and lease come from CRASHY_CHANNEL / CRASHY_LEASE_S so that each test
+gets its own queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from pydantic import BaseModel
+
+from dedupe import App, Context
+
+app = App("crashy")
+
+
+class Work(BaseModel):
+    n: int = 0
+    crash: bool = False
+    sleep_s: float = 0.0
+
+
+@app.handler(
+    os.environ.get("CRASHY_CHANNEL", "crashy"),
+    lease_s=float(os.environ.get("CRASHY_LEASE_S", "2")),
+    max_attempts=3,
+    backoff_s=0.05,
+    max_backoff_s=0.2,
+)
+async def work(payload: Work, ctx: Context) -> int:
+    if payload.crash:
+        os._exit(17)
+    await asyncio.sleep(payload.sleep_s)
+    await ctx.db.execute(
+        "INSERT INTO effects (key, n, pid) VALUES ($1, $2, $3)", ctx.key, payload.n, os.getpid()
+    )
+    return payload.n

@@ -1,0 +1,139 @@
+"""Fixtures shared by every test: real PostgreSQL and RabbitMQ, fresh names per test.
+
+A missing service is a failure, not a skip: `make test` starts them (scripts/services.sh).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from dedupe.app import App
+from dedupe.pipeline import Processor
+from dedupe.store import ClaimStore, migrate
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_URL = os.environ.get(
+    "DEDUPE_TEST_DATABASE_URL", "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
+)
+AMQP_URL = os.environ.get("DEDUPE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+KAFKA_URL = os.environ.get("DEDUPE_TEST_KAFKA_URL", "kafka://127.0.0.1:9092")
+TEMPLATE = f"dedupe_tpl_{os.getpid()}"
+
+
+def database_url(name: str) -> str:
+    base, _, _ = ADMIN_URL.rpartition("/")
+    return f"{base}/{name}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        for folder in ("integration", "acceptance", "chaos"):
+            if folder in parts:
+                item.add_marker(getattr(pytest.mark, folder))
+
+
+@pytest.fixture(scope="session")
+async def template_db() -> AsyncIterator[str]:
+    """A migrated database that each test clones (CREATE DATABASE ... TEMPLATE is fast)."""
+    try:
+        admin = await asyncpg.connect(ADMIN_URL, timeout=5)
+    except (OSError, asyncpg.PostgresError) as exc:
+        pytest.fail(f"PostgreSQL is not reachable at {ADMIN_URL} ({exc}); run `make services`")
+    try:
+        await admin.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
+        await admin.execute(f"CREATE DATABASE {TEMPLATE}")
+    finally:
+        await admin.close()
+    await migrate(database_url(TEMPLATE))
+    from handlers.payments import setup
+
+    await setup(database_url(TEMPLATE))
+    yield TEMPLATE
+    admin = await asyncpg.connect(ADMIN_URL)
+    try:
+        await admin.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def db_url(template_db: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for one test."""
+    name = f"dedupe_t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(ADMIN_URL)
+    try:
+        await admin.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    finally:
+        await admin.close()
+    yield database_url(name)
+    admin = await asyncpg.connect(ADMIN_URL)
+    try:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[ClaimStore]:
+    async with ClaimStore.open(db_url, owner="test", max_size=20) as claim_store:
+        yield claim_store
+
+
+@pytest.fixture
+async def db(db_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection to the test's database, for assertions."""
+    conn = await asyncpg.connect(db_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+def channel() -> str:
+    """A channel (queue/topic) name no other test uses."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def amqp_url() -> str:
+    return AMQP_URL
+
+
+@contextlib.asynccontextmanager
+async def running(
+    app: App, store: ClaimStore, transport: object, **options: object
+) -> AsyncIterator[Processor]:
+    """Run `app` on `transport` in this event loop until the block ends (graceful stop)."""
+    from dedupe.transport import Transport
+
+    assert isinstance(transport, Transport)
+    stop = asyncio.Event()
+    async with Processor(app, store, **options) as processor:  # type: ignore[arg-type]
+        serving = asyncio.create_task(transport.serve(list(app.channels), processor.process, stop))
+        try:
+            yield processor
+        finally:
+            stop.set()
+            await processor.drain(timeout_s=10)
+            await serving
+            await transport.close()
+
+
+async def eventually(predicate, *, timeout_s: float = 20.0, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
+    """Poll an async predicate until it is truthy; fail with its last value after timeout_s."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    value = None
+    while asyncio.get_running_loop().time() < deadline:
+        value = await predicate()
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
+    pytest.fail(f"condition not met within {timeout_s}s (last value: {value!r})")

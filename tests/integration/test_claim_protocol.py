@@ -1,0 +1,401 @@
+"""The claim protocol against a real PostgreSQL: one run per key, fencing, leases, attempts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+from pydantic import BaseModel
+
+from consumers.memory import MemoryDelivery, make_message
+from dedupe import App, Context, Reject, Retry
+from dedupe.pipeline import Processor
+from dedupe.store import ClaimRequest, ClaimStore
+from dedupe.transport import Action, Reason
+
+CH = "work"
+
+
+class Job(BaseModel):
+    n: int
+
+
+def job(key: str, n: int = 1, **kwargs: object) -> MemoryDelivery:
+    return MemoryDelivery(make_message(CH, json.dumps({"n": n}), message_id=key, **kwargs))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def effects(db: asyncpg.Connection) -> asyncpg.Connection:
+    """A side-effect table without a unique constraint, so a double write would show."""
+    await db.execute("CREATE TABLE effects (key text NOT NULL, n int NOT NULL, worker text)")
+    return db
+
+
+@pytest.fixture
+async def second_store(db_url: str) -> AsyncIterator[ClaimStore]:
+    """A store with another owner: a second worker on the same database."""
+    async with ClaimStore.open(db_url, owner="worker-b", max_size=10) as other:
+        yield other
+
+
+def counting_app(calls: list[str], *, delay_s: float = 0.0, **options: object) -> App:
+    app = App("t")
+
+    @app.handler(CH, **options)  # type: ignore[arg-type]
+    async def work(payload: Job, ctx: Context) -> dict[str, int]:
+        calls.append(ctx.key)
+        await asyncio.sleep(delay_s)
+        await ctx.db.execute("INSERT INTO effects VALUES ($1, $2)", ctx.key, payload.n)
+        return {"n": payload.n}
+
+    return app
+
+
+async def process(processor: Processor, *deliveries: MemoryDelivery) -> list[Action]:
+    await processor.process(CH, list(deliveries))
+    return [d.settlements[-1].action for d in deliveries]
+
+
+async def test_concurrent_duplicates_run_the_handler_once(
+    store: ClaimStore, second_store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """Eight deliveries of one key at once, on two workers, give one run and one write."""
+    calls: list[str] = []
+    app = counting_app(calls, delay_s=0.3)
+    async with Processor(app, store) as a, Processor(app, second_store) as b:
+        deliveries = [job("k1") for _ in range(8)]
+        await asyncio.gather(*(process(a if i % 2 else b, d) for i, d in enumerate(deliveries)))
+        outcomes = [d.settlements[-1] for d in deliveries]
+        assert calls == ["k1"]
+        assert sum(o.action is Action.ACK and not o.duplicate for o in outcomes) == 1
+        # The others were either told to come back later or recognised as duplicates.
+        assert all(o.action in (Action.ACK, Action.DEFER) for o in outcomes)
+        # Redelivering the deferred ones now finds the outcome: acknowledged, not run.
+        deferred = sum(d.settlements[-1].action is Action.DEFER for d in deliveries)
+        for _ in range(deferred):
+            assert await process(a, job("k1")) == [Action.ACK]
+    assert calls == ["k1"]
+    assert await effects.fetchval("SELECT count(*) FROM effects") == 1
+
+
+async def test_the_same_key_twice_in_one_batch_runs_once(
+    store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """A batch holding a key twice claims it once; the second copy is a duplicate."""
+    calls: list[str] = []
+    async with Processor(counting_app(calls), store) as processor:
+        first, second, other = job("k"), job("k"), job("other")
+        assert await process(processor, first, second, other) == [Action.ACK] * 3
+    assert sorted(calls) == ["k", "other"]
+    assert second.settlements[-1].duplicate
+    assert json.loads(second.settlements[-1].result or "null") == {"n": 1}
+
+
+async def test_a_crash_after_the_claim_leads_to_exactly_one_completion_after_the_lease(
+    store: ClaimStore, db: asyncpg.Connection, effects: asyncpg.Connection
+) -> None:
+    """A key claimed by a worker that died is deferred until its lease lapses, then taken over."""
+    calls: list[str] = []
+    app = counting_app(calls, lease_s=1.0)
+    message = job("k").message
+    # The dead worker's claim: made, never completed.
+    [claim] = await store.claim_batch(
+        [ClaimRequest("t.work", "k", message.payload_hash)], lease_s=1.0, retention_s=3600
+    )
+    assert claim.owned
+    async with Processor(app, store) as processor:
+        assert await process(processor, job("k")) == [Action.DEFER]
+        await asyncio.sleep(1.1)
+        assert await process(processor, job("k")) == [Action.ACK]
+        assert await process(processor, job("k")) == [Action.ACK]
+    assert calls == ["k"]
+    row = await db.fetchrow("SELECT status, token, attempts FROM dedupe_claims")
+    assert dict(row) == {"status": "completed", "token": 2, "attempts": 2}
+    assert await effects.fetchval("SELECT count(*) FROM effects") == 1
+
+
+async def test_a_zombie_cannot_complete_and_its_db_writes_roll_back(
+    store: ClaimStore, second_store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """A worker frozen past its lease is fenced: its completion fails and its writes vanish."""
+    started, release = asyncio.Event(), asyncio.Event()
+    app = App("t")
+
+    @app.handler(CH, lease_s=1.0)
+    async def work(payload: Job, ctx: Context) -> None:
+        run = str(ctx.attempt)
+        await ctx.db.execute("INSERT INTO effects VALUES ($1, $2, $3)", ctx.key, payload.n, run)
+        if ctx.attempt == 1:  # the zombie's run: frozen until we let it go
+            started.set()
+            await release.wait()
+
+    # The zombie never heartbeats (as if SIGSTOPped); the healthy worker does.
+    async with (
+        Processor(app, store, heartbeat_s=3600) as zombie,
+        Processor(app, second_store) as healthy,
+    ):
+        zombie_delivery = job("k")
+        zombie_run = asyncio.create_task(process(zombie, zombie_delivery))
+        await asyncio.wait_for(started.wait(), 5)
+        await asyncio.sleep(1.2)  # the lease lapses
+        assert await process(healthy, job("k")) == [Action.ACK]  # take-over, attempt 2
+        release.set()
+        assert await zombie_run == [Action.DEFER]
+        assert zombie_delivery.settlements[-1].detail == "lease lost"
+        assert zombie.stats.lease_lost == 1
+    rows = await effects.fetch("SELECT key, worker FROM effects")
+    assert [tuple(r) for r in rows] == [("k", "2")]  # only the take-over's write survived
+
+
+async def test_a_heartbeat_that_finds_the_token_changed_cancels_the_handler(
+    store: ClaimStore, db: asyncpg.Connection, effects: asyncpg.Connection
+) -> None:
+    """When another worker owns the key now, the running handler is cancelled at once."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+    app = App("t")
+
+    @app.handler(CH, lease_s=3.0)
+    async def work(payload: Job, ctx: Context) -> None:
+        await ctx.db.execute("INSERT INTO effects VALUES ($1, $2)", ctx.key, payload.n)
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async with Processor(app, store, heartbeat_s=0.1) as processor:
+        delivery = job("k")
+        running = asyncio.create_task(process(processor, delivery))
+        await asyncio.wait_for(started.wait(), 5)
+        await db.execute("UPDATE dedupe_claims SET token = token + 1")  # someone took it over
+        assert await asyncio.wait_for(running, 5) == [Action.DEFER]
+    assert cancelled.is_set()
+    assert await effects.fetchval("SELECT count(*) FROM effects") == 0
+
+
+async def test_heartbeats_keep_a_long_run_from_being_taken_over(
+    store: ClaimStore, second_store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """A run longer than its lease keeps the key while it heartbeats."""
+    calls: list[str] = []
+    app = counting_app(calls, delay_s=2.0, lease_s=0.9)
+    async with Processor(app, store) as a, Processor(app, second_store) as b:
+        running = asyncio.create_task(process(a, job("k")))
+        await asyncio.sleep(1.5)  # past the first lease
+        assert await process(b, job("k")) == [Action.DEFER]
+        assert await running == [Action.ACK]
+    assert calls == ["k"]
+
+
+async def test_a_failing_handler_is_retried_then_dead_lettered_after_max_attempts(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """Transient errors are retried with backoff; the last one dead-letters; later copies ack."""
+    calls: list[int] = []
+    app = App("t")
+
+    @app.handler(CH, max_attempts=3, backoff_s=0.01, max_backoff_s=0.05)
+    async def work(payload: Job, ctx: Context) -> None:
+        calls.append(ctx.attempt)
+        raise ConnectionError("provider down")
+
+    async with Processor(app, store) as processor:
+        delivery = job("k")
+        assert await process(processor, delivery) == [Action.DEAD_LETTER]
+        outcome = delivery.settlements[-1]
+        assert outcome.reason is Reason.MAX_ATTEMPTS
+        assert "provider down" in (outcome.detail or "")
+        assert (outcome.scope, outcome.key) == ("t.work", "k")
+        assert processor.stats.retried == 2
+        # The dead-lettered key is terminal: a redelivery is acknowledged without running.
+        again = job("k")
+        assert await process(processor, again) == [Action.ACK]
+        assert again.settlements[-1].duplicate
+    assert calls == [1, 2, 3]
+    row = await db.fetchrow("SELECT status, attempts, error FROM dedupe_claims")
+    assert (row["status"], row["attempts"]) == ("failed", 3)
+    assert row["error"].startswith("max_attempts_exceeded")
+
+
+async def test_attempts_survive_crash_loops_and_stop_them(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A key claimed max_attempts times by workers that died is dead-lettered, not run again."""
+    calls: list[str] = []
+    app = counting_app(calls, max_attempts=3, lease_s=0.2)
+    request = ClaimRequest("t.work", "k", job("k").message.payload_hash)
+    for _ in range(3):  # three workers claimed it and crashed
+        [claim] = await store.claim_batch([request], lease_s=0.2, retention_s=3600)
+        assert claim.owned
+        await asyncio.sleep(0.25)
+    async with Processor(app, store) as processor:
+        delivery = job("k")
+        assert await process(processor, delivery) == [Action.DEAD_LETTER]
+        assert delivery.settlements[-1].reason is Reason.MAX_ATTEMPTS
+    assert calls == []
+    assert await db.fetchval("SELECT status FROM dedupe_claims") == "failed"
+
+
+async def test_errors_outside_retry_on_dead_letter_at_once(store: ClaimStore) -> None:
+    """Only retry_on exceptions are transient; others dead-letter with handler_error."""
+    calls: list[int] = []
+    app = App("t")
+
+    @app.handler(CH, retry_on=(ConnectionError,))
+    async def work(payload: Job) -> None:
+        calls.append(payload.n)
+        raise ValueError("bad amount")
+
+    async with Processor(app, store) as processor:
+        delivery = job("k")
+        assert await process(processor, delivery) == [Action.DEAD_LETTER]
+    assert delivery.settlements[-1].reason is Reason.HANDLER_ERROR
+    assert "ValueError: bad amount" in (delivery.settlements[-1].detail or "")
+    assert calls == [1]
+
+
+async def test_reject_and_retry_are_honoured(store: ClaimStore) -> None:
+    """Reject dead-letters with its reason; Retry(delay_s) runs again after that delay."""
+    attempts: list[int] = []
+    app = App("t")
+
+    @app.handler(CH)
+    async def work(payload: Job, ctx: Context) -> str:
+        attempts.append(ctx.attempt)
+        if payload.n == 0:
+            raise Reject("amount must be positive")
+        if ctx.attempt == 1:
+            raise Retry("not yet", delay_s=0.2)
+        return "done"
+
+    async with Processor(app, store) as processor:
+        rejected = job("r", n=0)
+        assert await process(processor, rejected) == [Action.DEAD_LETTER]
+        assert rejected.settlements[-1].reason is Reason.REJECTED
+        assert rejected.settlements[-1].detail == "amount must be positive"
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        retried = job("k", n=1)
+        assert await process(processor, retried) == [Action.ACK]
+        assert loop.time() - began >= 0.2
+        assert retried.settlements[-1].result == '"done"'
+    assert attempts == [1, 1, 2]
+
+
+async def test_another_payload_under_a_used_key_is_a_conflict_and_never_runs(
+    store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """Same key, other body: dead-lettered as key_conflict, even when the lease has lapsed."""
+    calls: list[str] = []
+    app = counting_app(calls, lease_s=0.2)
+    [claim] = await store.claim_batch(
+        [ClaimRequest("t.work", "stale", job("stale", n=1).message.payload_hash)],
+        lease_s=0.2,
+        retention_s=3600,
+    )
+    assert claim.owned
+    await asyncio.sleep(0.25)
+    async with Processor(app, store) as processor:
+        assert await process(processor, job("done", n=1)) == [Action.ACK]
+        for key in ("done", "stale"):
+            conflict = job(key, n=2)
+            assert await process(processor, conflict) == [Action.DEAD_LETTER]
+            assert conflict.settlements[-1].reason is Reason.KEY_CONFLICT
+        assert processor.stats.conflicts == 2
+    assert calls == ["done"]
+
+
+async def test_missing_keys_and_invalid_payloads_are_dead_lettered_with_reasons(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """No key: missing_key before any claim. Bad JSON or schema: invalid_payload, key failed."""
+    calls: list[str] = []
+    async with Processor(counting_app(calls), store) as processor:
+        no_key = MemoryDelivery(make_message(CH, '{"n": 1}'))
+        bad_json = MemoryDelivery(make_message(CH, "{nope", message_id="j"))
+        bad_schema = MemoryDelivery(make_message(CH, '{"n": "x"}', message_id="s"))
+        await processor.process(CH, [no_key, bad_json, bad_schema])
+        reasons = [d.settlements[-1].reason for d in (no_key, bad_json, bad_schema)]
+        assert reasons == [Reason.MISSING_KEY, Reason.INVALID_PAYLOAD, Reason.INVALID_PAYLOAD]
+        assert "n" in (bad_schema.settlements[-1].detail or "")
+    assert calls == []
+    statuses = await db.fetch("SELECT key, status FROM dedupe_claims ORDER BY key")
+    assert [tuple(r) for r in statuses] == [("j", "failed"), ("s", "failed")]
+
+
+async def test_a_graceful_stop_gives_the_key_back_at_once(
+    store: ClaimStore, second_store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """Past the shutdown timeout a run is cancelled, requeued, and its lease released."""
+    started = asyncio.Event()
+    app = App("t")
+
+    @app.handler(CH, lease_s=30.0)
+    async def work(payload: Job) -> None:
+        started.set()
+        await asyncio.sleep(30)
+
+    async with Processor(app, store) as processor:
+        delivery = job("k")
+        running = asyncio.create_task(process(processor, delivery))
+        await asyncio.wait_for(started.wait(), 5)
+        await processor.drain(timeout_s=0.1)
+        assert await running == [Action.REQUEUE]
+    row = await db.fetchrow("SELECT attempts, lease_until <= now() AS free FROM dedupe_claims")
+    assert (row["attempts"], row["free"]) == (0, True)
+    [claim] = await second_store.claim_batch(
+        [ClaimRequest("t.work", "k", delivery.message.payload_hash)], lease_s=5, retention_s=3600
+    )
+    assert claim.owned and claim.token == 2
+
+
+async def test_released_failed_keys_run_again(store: ClaimStore) -> None:
+    """An operator release turns a failed key claimable; the next delivery runs it."""
+    fail = [True]
+    app = App("t")
+
+    @app.handler(CH, max_attempts=1)
+    async def work(payload: Job) -> str:
+        if fail[0]:
+            raise ConnectionError("down")
+        return "ok"
+
+    async with Processor(app, store) as processor:
+        assert await process(processor, job("k")) == [Action.DEAD_LETTER]
+        assert await store.release("t.work", "k") == "failed"
+        fail[0] = False
+        delivery = job("k")
+        assert await process(processor, delivery) == [Action.ACK]
+        assert delivery.settlements[-1].result == '"ok"'
+        assert await store.release("t.work", "k") is None  # completed keys stay completed
+
+
+async def test_clean_up_removes_only_expired_rows(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """gc deletes expired outcomes and abandoned claims, never live ones; one runner at a time."""
+    await db.execute(
+        """
+        INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, lease_until, expires_at)
+        SELECT 's', 'expired-' || i, '\\x00', 'completed', 'w', NULL, now() - interval '1 s'
+          FROM generate_series(1, 25) i;
+        INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, lease_until, expires_at)
+        VALUES ('s', 'fresh', '\\x00', 'completed', 'w', NULL, now() + interval '1 day'),
+               ('s', 'failed-old', '\\x00', 'failed', 'w', NULL, now() - interval '1 s'),
+               ('s', 'running', '\\x00', 'in_progress', 'w', now() + interval '1 min',
+                now() - interval '1 s'),
+               ('s', 'abandoned', '\\x00', 'in_progress', 'w', now() - interval '1 min',
+                now() - interval '1 s');
+        """
+    )
+    async with store.pool.acquire() as lock_holder:
+        await lock_holder.execute("SELECT pg_advisory_lock($1)", 0x6465_6475_7065)
+        assert await store.gc(batch_size=10) is None  # someone else is cleaning up
+        await lock_holder.execute("SELECT pg_advisory_unlock($1)", 0x6465_6475_7065)
+    assert await store.gc(batch_size=10) == 27
+    left = await db.fetch("SELECT key FROM dedupe_claims ORDER BY key")
+    assert [r["key"] for r in left] == ["fresh", "running"]
