@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,6 +56,17 @@ class Delivery(Protocol):
 
 
 Process = Callable[[str, Sequence[Delivery]], Coroutine[Any, Any, None]]
+
+
+class Publisher(Protocol):
+    """Publishes to a channel and returns only once the broker has confirmed it durably
+    (RabbitMQ publisher confirms, Kafka acks=all). Used by the webhook receiver."""
+
+    async def publish(
+        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
+    ) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class Transport(abc.ABC):
