@@ -11,8 +11,8 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import pydantic
 
@@ -20,10 +20,11 @@ from .app import App
 from .errors import ConfigurationError, DedupeError, StoreError
 from .pipeline import Processor
 from .settings import Settings
-from .store import ClaimStore, migrate, redact
+from .store import ClaimStore, connect_pool, migrate, redact
 from .transport import Transport
 
 logger = logging.getLogger("dedupe.cli")
+T = TypeVar("T")
 
 DESCRIPTION = """\
 Run message handlers that are safe to retry.
@@ -161,10 +162,13 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    pool_size = settings.concurrency + 4
-    async with ClaimStore.open(
-        settings.database_url, owner=settings.worker_name, max_size=pool_size
-    ) as store:
+    pool = await _retrying(
+        "PostgreSQL",
+        lambda: connect_pool(settings.database_url, max_size=settings.concurrency + 4),
+        settings.connect_timeout_s,
+    )
+    async with pool:
+        store = ClaimStore(pool, owner=settings.worker_name)
         await _check_migrated(store)
         async with Processor(
             app,
@@ -172,7 +176,7 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
             concurrency=settings.concurrency,
             gc_interval_s=settings.gc_interval_s or None,
         ) as processor:
-            await _connect_with_retry(transport, settings)
+            await _connect_broker(transport, settings)
             logger.info(
                 "worker %s running app %r: %s",
                 settings.worker_name,
@@ -204,25 +208,37 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-async def _connect_with_retry(transport: Transport, settings: Settings) -> None:
-    connect: Callable[[], Coroutine[Any, Any, None]] | None = getattr(transport, "connect", None)
-    if connect is None:
-        return
-    deadline = time.monotonic() + settings.connect_timeout_s
+async def _retrying(what: str, connect: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """Connect, retrying with backoff for up to timeout_s: services may start after us."""
+    deadline = time.monotonic() + timeout_s
     delay = 0.5
     while True:
         try:
-            await connect()
-            return
-        except Exception as exc:
+            return await connect()
+        except (OSError, DedupeError, ConnectionError) as exc:
             if time.monotonic() + delay > deadline:
-                raise DedupeError(
-                    f"cannot reach the broker at {redact(settings.broker_url)}: {exc}. Is it "
-                    "running (`make services`)? Set the URL with --broker or DEDUPE_BROKER_URL."
-                ) from exc
-            logger.warning("broker not reachable yet (%s); retrying in %.1fs", exc, delay)
+                raise
+            logger.warning("%s not reachable yet (%s); retrying in %.1fs", what, exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+async def _connect_broker(transport: Transport, settings: Settings) -> None:
+    connect: Callable[[], Awaitable[None]] | None = getattr(transport, "connect", None)
+    if connect is None:
+        return
+
+    async def attempt() -> None:
+        assert connect is not None
+        try:
+            await connect()
+        except Exception as exc:
+            raise DedupeError(
+                f"cannot reach the broker at {redact(settings.broker_url)}: {exc}. Is it "
+                "running (`make services`)? Set the URL with --broker or DEDUPE_BROKER_URL."
+            ) from exc
+
+    await _retrying("broker", attempt, settings.connect_timeout_s)
 
 
 async def _check_migrated(store: ClaimStore) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -62,9 +63,14 @@ class _Run:
     fence: Fence
     lease_s: float
     task: asyncio.Task[Any]
+    isolate: asyncio.Lock | None = None  # held for the first run after a take-over
     lost: bool = False
     stopping: bool = False
     completing: bool = False
+
+
+class _CrashLoop(DedupeError):
+    """The key was taken over from dead workers more than max_attempts times."""
 
 
 def encode_result(value: Any) -> str:
@@ -103,6 +109,7 @@ class Processor:
         self.stats = Stats()
         self._channels = app.channels
         self._slots = asyncio.Semaphore(concurrency)
+        self._isolation = asyncio.Lock()
         self._runs: dict[tuple[str, str], _Run] = {}
         self._gc_interval_s = gc_interval_s
         self._max_defer_s = max_defer_s
@@ -262,17 +269,7 @@ class Processor:
             except StoreError as exc:
                 return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
         if claim.owned:
-            assert claim.token is not None
-            fence = Fence(claim.scope, claim.key, claim.token)
-            if claim.attempts > handler.max_attempts:
-                await self._fail(handler, fence, f"{Reason.MAX_ATTEMPTS}: crashed or timed out")
-                return _dead_letter(
-                    Reason.MAX_ATTEMPTS,
-                    f"claimed {claim.attempts} times, more than max_attempts="
-                    f"{handler.max_attempts}; earlier runs never finished (crash loop?)",
-                    fence,
-                )
-            return await self._run(handler, message, fence, claim.attempts)
+            return await self._run(handler, message, claim)
         if claim.same_payload is False:
             self.stats.conflicts += 1
             logger.warning(
@@ -293,12 +290,20 @@ class Processor:
         delay = min(self._max_defer_s, handler.lease_s / 3 * 2 ** (message.attempt - 1))
         return Settlement(Action.DEFER, delay_s=delay, detail="key in progress elsewhere")
 
-    async def _run(
-        self, handler: Handler, message: Message, fence: Fence, attempts: int
-    ) -> Settlement:
+    async def _run(self, handler: Handler, message: Message, claim: Claim) -> Settlement:
+        assert claim.token is not None
+        fence = Fence(claim.scope, claim.key, claim.token)
         task = asyncio.current_task()
         assert task is not None
-        run = _Run(fence=fence, lease_s=handler.lease_s, task=task)
+        # A take-over means a worker died holding this key. Its first run here happens alone
+        # and is counted just before it starts, so that if this message is what kills workers,
+        # only it is charged for the crash, not the messages that were claimed beside it.
+        run = _Run(
+            fence=fence,
+            lease_s=handler.lease_s,
+            task=task,
+            isolate=self._isolation if claim.taken_over else None,
+        )
         self._runs[(fence.scope, fence.key)] = run
         log = logging.LoggerAdapter(
             logging.getLogger(f"dedupe.handler.{handler.name}"),
@@ -310,7 +315,7 @@ class Processor:
             except InvalidPayload as exc:
                 await self._fail(handler, fence, f"{Reason.INVALID_PAYLOAD}: {exc}")
                 return _dead_letter(Reason.INVALID_PAYLOAD, str(exc), fence)
-            return await self._attempts(handler, message, payload, run, attempts, log)
+            return await self._attempts(handler, message, payload, run, claim.attempts, log)
         except asyncio.CancelledError:
             if not (run.lost or run.stopping):
                 raise
@@ -384,6 +389,10 @@ class Processor:
         except StoreError as exc:
             log.warning("claim store unavailable, requeueing: %s", exc)
             return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
+        except _CrashLoop as exc:
+            await self._fail(handler, fence, f"{Reason.MAX_ATTEMPTS}: {exc}")
+            log.error("dead-lettered: %s", exc)
+            return _dead_letter(Reason.MAX_ATTEMPTS, str(exc), fence)
         except Reject as exc:
             await self._fail(handler, fence, f"{Reason.REJECTED}: {exc.reason}")
             return _dead_letter(Reason.REJECTED, exc.reason, fence)
@@ -412,8 +421,21 @@ class Processor:
         """One run of the handler, then its completion, atomically with its ctx.db writes."""
         fence = run.fence
         db = Database(self.store.pool)
+        isolate, run.isolate = run.isolate, None
         try:
-            async with self._slots:
+            async with isolate or contextlib.nullcontext(), self._slots:
+                if isolate is not None:
+                    number = await self.store.record_attempt(
+                        fence, error=None, lease_s=handler.lease_s
+                    )
+                    if number is None:
+                        raise LeaseLost()
+                    counted[0] = number
+                    if number > handler.max_attempts:
+                        raise _CrashLoop(
+                            f"taken over from dead workers {number - 1} times (max_attempts="
+                            f"{handler.max_attempts}): it may be what kills them"
+                        )
                 if handler.takes_context:
                     ctx = Context(
                         key=fence.key,

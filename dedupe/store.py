@@ -57,6 +57,7 @@ class Claim:
     key: str
     token: int | None
     attempts: int
+    taken_over: bool = False
     status: str | None = None
     same_payload: bool | None = None
     lease_live: bool | None = None
@@ -141,6 +142,7 @@ class ClaimStore:
                 key=row["key"],
                 token=row["token"],
                 attempts=row["attempts"] or row["existing_attempts"] or 0,
+                taken_over=(row["token"] or 0) > 1,
                 status=row["status"],
                 same_payload=row["same_payload"],
                 lease_live=row["lease_live"],
@@ -184,7 +186,9 @@ class ClaimStore:
         )
         return {(row["scope"], row["key"]) for row in rows}
 
-    async def record_attempt(self, fence: Fence, *, error: str, lease_s: float) -> int | None:
+    async def record_attempt(
+        self, fence: Fence, *, error: str | None, lease_s: float
+    ) -> int | None:
         """Count the next attempt; None when the key is no longer ours."""
         rows = await self._fetch(
             "record_attempt", fence.scope, fence.key, fence.token, error, float(lease_s)

@@ -37,7 +37,14 @@ class ChargeRequested(BaseModel):
     amount_cents: int = Field(gt=0)
 
 
-@app.handler("payments", key="message_id", max_attempts=3, backoff_s=0.05, max_backoff_s=0.5)
+@app.handler(
+    "payments",
+    key="message_id",
+    lease_s=10,
+    max_attempts=3,
+    backoff_s=0.05,
+    max_backoff_s=0.5,
+)
 async def charge(event: ChargeRequested, ctx: Context) -> dict[str, str]:
     charge_id = await provider.charge(
         idempotency_key=ctx.key, payment_id=event.payment_id, amount_cents=event.amount_cents

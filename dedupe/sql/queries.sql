@@ -6,6 +6,9 @@
 -- the key (new, or taken over from an expired lease / a released failure), otherwise the
 -- state of the row that stands in our way. Inputs are sorted so that two workers claiming
 -- overlapping batches lock rows in the same order and never deadlock.
+-- A new key counts its first attempt here; a take-over does not: the worker counts it with
+-- record_attempt just before the handler starts, so a message that was claimed but never
+-- started when its worker died is not charged for the crash.
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[]) AS i(scope, key, payload_hash)
 ),
@@ -17,7 +20,7 @@ claimed AS (
     FROM input
     ORDER BY scope, key
     ON CONFLICT (scope, key) DO UPDATE
-        SET token = c.token + 1, owner = EXCLUDED.owner, attempts = c.attempts + 1,
+        SET token = c.token + 1, owner = EXCLUDED.owner,
             status = 'in_progress', retryable = false, lease_until = EXCLUDED.lease_until,
             error = NULL, updated_at = now(), expires_at = EXCLUDED.expires_at
         WHERE c.payload_hash = EXCLUDED.payload_hash
@@ -53,10 +56,11 @@ UPDATE dedupe_claims AS c
 RETURNING c.scope, c.key;
 
 -- name: record_attempt
--- A transient failure: count the next attempt before running it, so crash loops are counted.
+-- Count the next attempt before running it (a retry, or the first run after a take-over), so
+-- crash loops are counted. $4 is the last error, or NULL to keep the one recorded.
 UPDATE dedupe_claims
-   SET attempts = attempts + 1, error = $4, lease_until = now() + make_interval(secs => $5),
-       updated_at = now()
+   SET attempts = attempts + 1, error = coalesce($4, error),
+       lease_until = now() + make_interval(secs => $5), updated_at = now()
  WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
 RETURNING attempts;
 

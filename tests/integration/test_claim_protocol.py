@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context, Reject, Retry
 from dedupe.pipeline import Processor
-from dedupe.store import ClaimRequest, ClaimStore
+from dedupe.store import ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Action, Reason
 
 CH = "work"
@@ -224,20 +224,41 @@ async def test_a_failing_handler_is_retried_then_dead_lettered_after_max_attempt
 async def test_attempts_survive_crash_loops_and_stop_them(
     store: ClaimStore, db: asyncpg.Connection
 ) -> None:
-    """A key claimed max_attempts times by workers that died is dead-lettered, not run again."""
+    """A key whose runs killed max_attempts workers is dead-lettered, not run again."""
     calls: list[str] = []
     app = counting_app(calls, max_attempts=3, lease_s=0.2)
     request = ClaimRequest("t.work", "k", job("k").message.payload_hash)
-    for _ in range(3):  # three workers claimed it and crashed
+    for n in range(3):  # three workers claimed it, started it and died
         [claim] = await store.claim_batch([request], lease_s=0.2, retention_s=3600)
-        assert claim.owned
+        assert claim.owned and claim.taken_over == (n > 0)
+        if claim.taken_over:
+            fence = Fence(claim.scope, claim.key, claim.token or 0)
+            assert await store.record_attempt(fence, error=None, lease_s=0.2) == n + 1
         await asyncio.sleep(0.25)
     async with Processor(app, store) as processor:
         delivery = job("k")
         assert await process(processor, delivery) == [Action.DEAD_LETTER]
         assert delivery.settlements[-1].reason is Reason.MAX_ATTEMPTS
+        assert "taken over from dead workers 3 times" in (delivery.settlements[-1].detail or "")
     assert calls == []
     assert await db.fetchval("SELECT status FROM dedupe_claims") == "failed"
+
+
+async def test_a_claim_never_started_is_not_charged_for_its_workers_crash(
+    store: ClaimStore, db: asyncpg.Connection, effects: asyncpg.Connection
+) -> None:
+    """Claims taken over without a start do not count: bystanders of a crash loop survive it."""
+    calls: list[str] = []
+    app = counting_app(calls, max_attempts=2, lease_s=0.2)
+    request = ClaimRequest("t.work", "k", job("k").message.payload_hash)
+    for _ in range(4):  # claimed beside a poison message four times, never started
+        [claim] = await store.claim_batch([request], lease_s=0.2, retention_s=3600)
+        assert claim.owned
+        await asyncio.sleep(0.25)
+    async with Processor(app, store) as processor:
+        assert await process(processor, job("k")) == [Action.ACK]
+    assert calls == ["k"]
+    assert await db.fetchval("SELECT attempts FROM dedupe_claims") == 2
 
 
 async def test_errors_outside_retry_on_dead_letter_at_once(store: ClaimStore) -> None:
