@@ -132,11 +132,24 @@ class RabbitDelivery:
             )
 
 
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("processing a batch failed", exc_info=task.exception())
+
+
 class RabbitMQTransport(Transport):
     """Consume channels from RabbitMQ and settle deliveries as the core decides."""
 
-    def __init__(self, url: str, *, prefetch: int = 64, batch_max: int = 64) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefetch: int = 64,
+        batch_max: int = 64,
+        connection_name: str = "dedupe-worker",
+    ) -> None:
         self.url = url
+        self.connection_name = connection_name  # shown by rabbitmqctl and the management UI
         self.prefetch = prefetch
         self.batch_max = batch_max
         self._connection: AbstractRobustConnection | None = None
@@ -145,7 +158,9 @@ class RabbitMQTransport(Transport):
 
     async def connect(self) -> None:
         if self._connection is None:
-            self._connection = await aio_pika.connect_robust(self.url, timeout=10)
+            self._connection = await aio_pika.connect_robust(
+                self.url, timeout=10, client_properties={"connection_name": self.connection_name}
+            )
             self._channel = await self._connection.channel()
             await self._channel.set_qos(prefetch_count=self.prefetch)
             # Copies go out on their own confirming channel so that a slow confirm never
@@ -210,6 +225,7 @@ class RabbitMQTransport(Transport):
             task = asyncio.create_task(process(name, deliveries))
             processing.add(task)
             task.add_done_callback(processing.discard)
+            task.add_done_callback(_log_failure)
 
     async def settle(self, delivery: RabbitDelivery, settlement: Settlement) -> None:
         incoming = delivery.incoming

@@ -131,6 +131,7 @@ def make_transport(settings: Settings) -> Transport:
         settings.broker_url,
         prefetch=settings.effective_prefetch,
         batch_max=settings.effective_prefetch,
+        connection_name=f"dedupe-worker {settings.worker_name}",
     )
 
 

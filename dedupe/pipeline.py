@@ -160,7 +160,16 @@ class Processor:
                 await delivery.settle(_dead_letter(Reason.NO_HANDLER, f"no handler for {channel}"))
             return
         messages = [d.message for d in deliveries]
-        plans = [await self._plan(handler, messages) for handler in handlers]
+        try:
+            plans = [await self._plan(handler, messages) for handler in handlers]
+        except Exception:
+            # A bug, not a message problem: give the batch back rather than leave it unsettled.
+            logger.exception("unexpected error while claiming a batch; requeueing it")
+            for delivery in deliveries:
+                await delivery.settle(
+                    Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)
+                )
+            return
         finishing = [
             asyncio.create_task(self._finish(delivery, [plan[i] for plan in plans]))
             for i, delivery in enumerate(deliveries)
@@ -220,10 +229,9 @@ class Processor:
                 retention_s=handler.retention_s,
             )
         except StoreError as exc:
-            logger.warning("claim failed, requeueing %d messages: %s", len(requests), exc)
-            claims = []
-            for i, _ in requests:
-                outcomes[i] = _ready(Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0))
+            logger.warning("claim failed, requeueing %d messages: %s", len(messages), exc)
+            requeue = Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
+            return [outcome or _ready(requeue) for outcome in outcomes]
         for (i, request), claim in zip(requests, claims, strict=True):
             outcomes[i] = self._spawn(self._settle_claim(handler, messages[i], request, claim))
         for i, first in repeats:

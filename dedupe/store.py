@@ -24,6 +24,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     ConnectionError,
     asyncpg.InterfaceError,
+    # Raised by the pool when it resets a connection the server has just terminated.
+    asyncpg.InternalClientError,
     asyncpg.PostgresConnectionError,
     asyncpg.DeadlockDetectedError,
     asyncpg.SerializationError,

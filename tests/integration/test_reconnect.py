@@ -1,0 +1,109 @@
+"""Faults of the connections under a running worker: it reconnects and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import uuid
+
+import asyncpg
+from pydantic import BaseModel
+
+from consumers import rabbitmq
+from consumers.rabbitmq import RabbitMQTransport
+from dedupe import App, Context
+from dedupe.store import ClaimStore
+from tests.conftest import eventually, running
+
+
+class Job(BaseModel):
+    n: int
+
+
+def effect_app(channel: str) -> App:
+    app = App("t")
+
+    @app.handler(channel, lease_s=2.0, backoff_s=0.05, max_backoff_s=0.2)
+    async def work(payload: Job, ctx: Context) -> None:
+        await asyncio.sleep(0.005)
+        await ctx.db.execute("INSERT INTO effects VALUES ($1)", ctx.key)
+
+    return app
+
+
+async def publish_stream(amqp_url: str, channel: str, count: int) -> None:
+    await rabbitmq.publish(
+        amqp_url, channel, [(json.dumps({"n": i}).encode(), {}, f"k{i}") for i in range(count)]
+    )
+
+
+async def all_effects_once(db: asyncpg.Connection, count: int) -> None:
+    async def done() -> bool:
+        return bool(await db.fetchval("SELECT count(DISTINCT key) = $1 FROM effects", count))
+
+    await eventually(done, timeout_s=60)
+    await asyncio.sleep(0.5)
+    assert await db.fetchval("SELECT count(*) FROM effects") == count
+
+
+async def test_the_worker_survives_its_database_connections_being_killed(
+    amqp_url: str, channel: str, db_url: str, db: asyncpg.Connection
+) -> None:
+    """pg_terminate_backend on every worker connection mid-stream: each key still runs once."""
+    await db.execute("CREATE TABLE effects (key text NOT NULL)")
+    await publish_stream(amqp_url, channel, 300)
+    async with (
+        ClaimStore.open(db_url, owner="w", max_size=10) as store,
+        running(effect_app(channel), store, RabbitMQTransport(amqp_url)),
+    ):
+
+        async def some() -> bool:
+            return bool(await db.fetchval("SELECT count(*) >= 50 FROM effects"))
+
+        await eventually(some)
+        killed = 0
+        for _ in range(3):
+            killed += await db.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = 'dedupe-worker'"
+            )
+            await asyncio.sleep(0.2)
+        assert killed > 0
+        await all_effects_once(db, 300)
+
+
+async def test_the_worker_reconnects_after_its_broker_connection_is_closed(
+    amqp_url: str, channel: str, db_url: str, db: asyncpg.Connection
+) -> None:
+    """The broker drops the worker's connection mid-stream: it reconnects and finishes once."""
+    await db.execute("CREATE TABLE effects (key text NOT NULL)")
+    name = f"dedupe-test-{uuid.uuid4().hex[:8]}"
+    await publish_stream(amqp_url, channel, 300)
+    async with (
+        ClaimStore.open(db_url, owner="w", max_size=10) as store,
+        running(effect_app(channel), store, RabbitMQTransport(amqp_url, connection_name=name)),
+    ):
+
+        async def some() -> bool:
+            return bool(await db.fetchval("SELECT count(*) >= 50 FROM effects"))
+
+        await eventually(some)
+        listing = await asyncio.to_thread(
+            subprocess.run,
+            ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        ours = [line.split("\t")[0] for line in listing.stdout.splitlines() if name in line]
+        assert ours, "the worker's connection is not listed"
+        for connection in ours:
+            await asyncio.to_thread(
+                subprocess.run,
+                ["rabbitmqctl", "-q", "close_connection", connection, "test: broker fault"],
+                timeout=30,
+                check=True,
+            )
+        await all_effects_once(db, 300)
