@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 Decoder = Callable[[Message], Any]
+Hook = Callable[[str, Message, str, str], Awaitable[None]]
+H = TypeVar("H", bound=Hook)
+STAGES = ("claimed", "handled", "completed")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 DAY_S = 86_400.0
@@ -95,6 +98,7 @@ class App:
             )
         self.name = name
         self.handlers: dict[str, Handler] = {}
+        self.hooks: list[tuple[frozenset[str], Hook]] = []
 
     @property
     def channels(self) -> dict[str, list[Handler]]:
@@ -216,6 +220,29 @@ class App:
                 backoff_s=float(backoff_s),
                 max_backoff_s=float(max_backoff_s),
             )
+            return fn
+
+        return register
+
+    def hook(self, *stages: str) -> Callable[[H], H]:
+        """Register `async def hook(stage, message, scope, key)` to run at pipeline stages.
+
+        Stages: "claimed" (the key is ours, the handler has not run), "handled" (the handler
+        returned, its outcome is not recorded yet) and "completed" (the outcome is committed,
+        the broker not yet told). For tracing, metrics and fault injection in tests; an
+        exception raised by a hook counts as a failure of the run.
+        """
+        unknown = set(stages) - set(STAGES)
+        if not stages or unknown:
+            raise ConfigurationError(
+                f"hook stages must be among {', '.join(STAGES)}; got {sorted(unknown) or 'none'}"
+            )
+
+        def register(fn: H) -> H:
+            is_async: bool = inspect.iscoroutinefunction(fn)
+            if not is_async:
+                raise ConfigurationError(f"hook {fn!r}: must be an `async def` function")
+            self.hooks.append((frozenset(stages), fn))
             return fn
 
         return register

@@ -13,7 +13,7 @@ from typing import Any
 import pydantic_core
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
 
-from .app import App, Handler
+from .app import STAGES, App, Handler, Hook
 from .batching import Batcher
 from .context import Context, Database
 from .errors import DedupeError, InvalidPayload, KeyMissing, LeaseLost, Reject, Retry, StoreError
@@ -110,6 +110,10 @@ class Processor:
         self._channels = app.channels
         self._slots = asyncio.Semaphore(concurrency)
         self._isolation = asyncio.Lock()
+        self._hooks: dict[str, list[Hook]] = {stage: [] for stage in STAGES}
+        for stages, hook in app.hooks:
+            for stage in stages:
+                self._hooks[stage].append(hook)
         self._runs: dict[tuple[str, str], _Run] = {}
         self._gc_interval_s = gc_interval_s
         self._max_defer_s = max_defer_s
@@ -444,6 +448,7 @@ class Processor:
                             f"taken over from dead workers {number - 1} times (max_attempts="
                             f"{handler.max_attempts}): it may be what kills them"
                         )
+                await self._run_hooks("claimed", message, fence)
                 if handler.takes_context:
                     ctx = Context(
                         key=fence.key,
@@ -462,6 +467,7 @@ class Processor:
                 else:
                     value = await call
             result = encode_result(value)
+            await self._run_hooks("handled", message, fence)
             run.completing = True
             if db.started:
                 done = await self.store.complete(
@@ -472,10 +478,15 @@ class Processor:
                 await db.commit()
             elif not await self._completer.submit((fence, result, handler.retention_s)):
                 raise LeaseLost()
+            await self._run_hooks("completed", message, fence)
             return result
         finally:
             run.completing = False
             await db.close()
+
+    async def _run_hooks(self, stage: str, message: Message, fence: Fence) -> None:
+        for hook in self._hooks[stage]:
+            await hook(stage, message, fence.scope, fence.key)
 
     async def _complete_batch(self, items: Sequence[tuple[Fence, str, float]]) -> list[bool]:
         done = await self.store.complete(items)

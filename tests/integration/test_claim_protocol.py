@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context, Reject, Retry
+from dedupe.errors import ConfigurationError
 from dedupe.pipeline import Processor
 from dedupe.store import ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Action, Reason
@@ -420,3 +421,29 @@ async def test_clean_up_removes_only_expired_rows(
     assert await store.gc(batch_size=10) == 27
     left = await db.fetch("SELECT key FROM dedupe_claims ORDER BY key")
     assert [r["key"] for r in left] == ["fresh", "running"]
+
+
+async def test_hooks_see_each_stage_in_order(
+    store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """claimed -> handled -> completed, each with the scope and key; duplicates run none."""
+    seen: list[tuple[str, str, str]] = []
+    app = counting_app([])
+
+    @app.hook("claimed", "handled", "completed")
+    async def record(stage: str, message: object, scope: str, key: str) -> None:
+        seen.append((stage, scope, key))
+
+    async with Processor(app, store) as processor:
+        assert await process(processor, job("k")) == [Action.ACK]
+        assert await process(processor, job("k")) == [Action.ACK]
+    assert seen == [(stage, "t.work", "k") for stage in ("claimed", "handled", "completed")]
+
+
+def test_hooks_are_validated_at_registration() -> None:
+    """Unknown stages and sync functions are refused."""
+    app = App("t")
+    with pytest.raises(ConfigurationError, match="stages"):
+        app.hook("after_lunch")
+    with pytest.raises(ConfigurationError, match="async def"):
+        app.hook("claimed")(lambda *args: None)  # type: ignore[arg-type,return-value]
