@@ -16,6 +16,7 @@ from .context import Context
 from .errors import ConfigurationError, InvalidPayload
 from .keys import KeyFunc, KeySpec, compile_key
 from .message import Message
+from .webhooks import DEFAULT_MAX_BODY_BYTES, Verifier, WebhookSource
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,8 @@ H = TypeVar("H", bound=Hook)
 STAGES = ("claimed", "handled", "completed")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
+# A webhook source is a URL path segment and the first part of every forwarded message id.
+_SOURCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 DAY_S = 86_400.0
 
 
@@ -85,7 +88,7 @@ class Handler:
 
 
 class App:
-    """A named set of handlers (and, later, webhook sources) run by `dedupe-worker`.
+    """A named set of handlers and webhook sources run by `dedupe-worker`.
 
     Args:
         name: Prefix of every handler's default scope; keep it stable once keys are stored.
@@ -99,6 +102,7 @@ class App:
         self.name = name
         self.handlers: dict[str, Handler] = {}
         self.hooks: list[tuple[frozenset[str], Hook]] = []
+        self.webhooks: dict[str, WebhookSource] = {}
 
     @property
     def channels(self) -> dict[str, list[Handler]]:
@@ -224,6 +228,80 @@ class App:
 
         return register
 
+    def webhook(
+        self,
+        source: str,
+        *,
+        verify: Verifier,
+        channel: str,
+        key: KeySpec | None = None,
+        content_types: tuple[str, ...] = ("application/json",),
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        lease_s: float = 10.0,
+        retention_s: float = 7 * DAY_S,
+    ) -> WebhookSource:
+        """Declare a webhook source, served by `dedupe-worker receive` at POST /webhooks/<source>.
+
+        Args:
+            source: Name in the URL and first part of every forwarded message id.
+            verify: A verifier from dedupe.webhooks: standard_webhooks(...), github(...),
+                stripe(...) or api_key(...).
+            channel: Where verified requests are published (a queue or a topic).
+            key: Overrides the verifier's idempotency key: "header:NAME", "body:path", ...
+            content_types: Media types accepted (others get 415); ("*/*",) takes any.
+            max_body_bytes: Larger bodies get 413 before they are read in full.
+            lease_s: How long a request holds its key while publishing.
+            retention_s: How long a key and its stored response are remembered; longer than
+                the sender retries (Stripe: 3 days).
+        """
+        where = f"webhook source {source!r}"
+        if not isinstance(source, str) or not _SOURCE.match(source):
+            raise ConfigurationError(f"{where}: name must match {_SOURCE.pattern}")
+        if source in self.webhooks:
+            raise ConfigurationError(
+                f"{where}: a source of that name is already declared on app {self.name!r}"
+            )
+        if not isinstance(channel, str) or not _NAME.match(channel):
+            raise ConfigurationError(f"{where}: channel {channel!r} must match {_NAME.pattern}")
+        if not callable(verify) or not callable(getattr(verify, "check", None)):
+            raise ConfigurationError(
+                f"{where}: verify= takes a verifier from dedupe.webhooks, e.g. "
+                "github(secret=env('GITHUB_WEBHOOK_SECRET'))"
+            )
+        if (
+            not isinstance(content_types, tuple)
+            or not content_types
+            or not all(isinstance(t, str) and "/" in t for t in content_types)
+        ):
+            raise ConfigurationError(
+                f"{where}: content_types must be a tuple of media types like 'application/json'"
+            )
+        if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool):
+            raise ConfigurationError(f"{where}: max_body_bytes must be an integer")
+        _check_positive(
+            where, max_body_bytes=max_body_bytes, lease_s=lease_s, retention_s=retention_s
+        )
+        if retention_s < DAY_S:
+            logger.warning(
+                "%s: retention_s=%g is under a day; senders retry for days (Stripe: 3)",
+                where,
+                retention_s,
+            )
+        webhook = WebhookSource(
+            name=source,
+            app_name=self.name,
+            channel=channel,
+            verify=verify,
+            key_spec=None if key is None else (key if isinstance(key, str) else "callable"),
+            key_func=None if key is None else compile_key(key),
+            content_types=tuple(t.lower() for t in content_types),
+            max_body_bytes=max_body_bytes,
+            lease_s=float(lease_s),
+            retention_s=float(retention_s),
+        )
+        self.webhooks[source] = webhook
+        return webhook
+
     def hook(self, *stages: str) -> Callable[[H], H]:
         """Register `async def hook(stage, message, scope, key)` to run at pipeline stages.
 
@@ -248,7 +326,8 @@ class App:
         return register
 
     def __repr__(self) -> str:
-        return f"App({self.name!r}, handlers={sorted(self.handlers)})"
+        webhooks = f", webhooks={sorted(self.webhooks)}" if self.webhooks else ""
+        return f"App({self.name!r}, handlers={sorted(self.handlers)}{webhooks})"
 
 
 def _check_positive(where: str, **values: float) -> None:
@@ -269,4 +348,4 @@ def _compile_scope(base: str, spec: KeySpec | None) -> Callable[[Message], str |
     return scope_of
 
 
-__all__ = ["App", "Context", "Handler"]
+__all__ = ["App", "Context", "Handler", "WebhookSource"]
