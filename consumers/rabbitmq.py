@@ -28,21 +28,26 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 from dedupe.message import Headers, Message
-from dedupe.transport import Action, Delivery, Process, Settlement, Transport
+from dedupe.transport import (
+    DEAD_LETTER_HEADERS,
+    DETAIL_HEADER,
+    KEY_HEADER,
+    REASON_HEADER,
+    SCOPE_HEADER,
+    Action,
+    Delivery,
+    Process,
+    Settlement,
+    Transport,
+    dead_letter_headers,
+    dlq_name,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFERRALS_HEADER = "x-dedupe-deferrals"
-REASON_HEADER = "x-dedupe-reason"
-DETAIL_HEADER = "x-dedupe-detail"
-SCOPE_HEADER = "x-dedupe-scope"
-KEY_HEADER = "x-dedupe-key"
 # Headers the transport adds; a replayed dead letter loses them.
-OWN_HEADERS = (DEFERRALS_HEADER, REASON_HEADER, DETAIL_HEADER, SCOPE_HEADER, KEY_HEADER)
-
-
-def dlq_name(channel: str) -> str:
-    return f"{channel}.dlq"
+OWN_HEADERS = (DEFERRALS_HEADER, *DEAD_LETTER_HEADERS)
 
 
 def delay_name(channel: str) -> str:
@@ -234,12 +239,8 @@ class RabbitMQTransport(Transport):
                 await self._reply(incoming, settlement.result)
             await incoming.ack()
         elif settlement.action is Action.DEAD_LETTER:
-            headers = dict(incoming.headers or {})
-            headers[REASON_HEADER] = str(settlement.reason)
-            headers[DETAIL_HEADER] = settlement.detail or ""
-            if settlement.scope is not None and settlement.key is not None:
-                headers[SCOPE_HEADER] = settlement.scope
-                headers[KEY_HEADER] = settlement.key
+            headers: dict[str, Any] = dict(incoming.headers or {})
+            headers.update(dead_letter_headers(settlement))
             await self._publish(copy_of(incoming, headers=headers), dlq_name(delivery.channel))
             await incoming.ack()
             logger.warning(

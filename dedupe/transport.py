@@ -45,6 +45,31 @@ class Settlement:
 
 ACK = Settlement(Action.ACK)
 
+# The headers every transport puts on a dead letter (RabbitMQ: AMQP headers; Kafka: record
+# headers), so that `dlq list|replay` and operators read one vocabulary on both brokers.
+REASON_HEADER = "x-dedupe-reason"
+DETAIL_HEADER = "x-dedupe-detail"
+SCOPE_HEADER = "x-dedupe-scope"
+KEY_HEADER = "x-dedupe-key"
+DEAD_LETTER_HEADERS = (REASON_HEADER, DETAIL_HEADER, SCOPE_HEADER, KEY_HEADER)
+
+
+def dlq_name(channel: str) -> str:
+    """The dead-letter queue (RabbitMQ) or topic (Kafka) of a channel."""
+    return f"{channel}.dlq"
+
+
+def dead_letter_headers(settlement: Settlement) -> dict[str, str]:
+    """Why a message was dead-lettered and which claim it concerns, as headers."""
+    headers = {
+        REASON_HEADER: str(settlement.reason),
+        DETAIL_HEADER: settlement.detail or "",
+    }
+    if settlement.scope is not None and settlement.key is not None:
+        headers[SCOPE_HEADER] = settlement.scope
+        headers[KEY_HEADER] = settlement.key
+    return headers
+
 
 class Delivery(Protocol):
     """A message plus the means to settle it with the broker."""
