@@ -140,8 +140,12 @@ class Processor:
 
     async def drain(self, *, timeout_s: float) -> None:
         """Wait for in-flight messages; past the timeout, give their keys back and requeue."""
-        if self._inflight and timeout_s > 0:
-            await asyncio.wait(set(self._inflight), timeout=timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        # Batches that were still claiming when the wait began start their runs later (one
+        # per partition on Kafka): wait for those too, within the same deadline.
+        while self._inflight and (remaining := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._inflight), timeout=remaining)
         for run in list(self._runs.values()):
             if not run.completing:
                 run.stopping = True
