@@ -116,14 +116,16 @@ def load_app(target: str) -> App:
     return app
 
 
-def make_transport(settings: Settings) -> Transport:
-    """Pick the transport from the broker URL's scheme."""
+def make_transport(settings: Settings, *, app_name: str | None = None) -> Transport:
+    """Pick the transport from the broker URL's scheme (Kafka names its group after the app)."""
     if settings.broker_url.startswith("kafka://"):
         try:
             from consumers.kafka import KafkaTransport  # type: ignore[import-not-found,unused-ignore]
         except ImportError as exc:
             raise UsageError(f"the Kafka transport is not available: {exc}") from exc
-        transport: Transport = KafkaTransport(settings.broker_url, settings=settings)
+        transport: Transport = KafkaTransport(
+            settings.broker_url, settings=settings, app_name=app_name
+        )
         return transport
     from consumers.rabbitmq import RabbitMQTransport
 
@@ -140,7 +142,7 @@ def make_transport(settings: Settings) -> Transport:
 
 async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     app = load_app(args.app)
-    transport = make_transport(settings)
+    transport = make_transport(settings, app_name=app.name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals_seen: list[int] = []

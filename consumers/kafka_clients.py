@@ -1,0 +1,358 @@
+"""Kafka clients besides the consumer: options from the URL, topic creation, the idempotent
+publisher, and read-only inspection of dead letters and of a group's backlog."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+try:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import TopicAlreadyExistsError
+    from aiokafka.structs import TopicPartition
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
+    ) from exc
+
+from dedupe.errors import ConfigurationError
+from dedupe.keys import MESSAGE_ID_HEADER
+from dedupe.message import Headers
+from dedupe.transport import DETAIL_HEADER, KEY_HEADER, REASON_HEADER, SCOPE_HEADER, dlq_name
+
+logger = logging.getLogger(__name__)
+
+# Where a dead letter came from: "<topic>/<partition>/<offset>".
+ORIGIN_HEADER = "x-dedupe-origin"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KafkaOptions:
+    """How the transport talks to Kafka; every field but the servers may be set in the URL
+    (`kafka://host:9092,host2:9092?group_id=billing&partitions=8`)."""
+
+    bootstrap_servers: str
+    group_id: str = "dedupe-worker"
+    client_id: str = "dedupe-worker"
+    partitions: int = 4  # for topics this transport creates
+    replication_factor: int = 0  # for topics it creates; 0 = min(3, brokers in the cluster)
+    batch_max: int = 64  # messages per process() call (one claim statement)
+    max_held: int = 1000  # deferred messages kept per partition before it stops fetching
+    commit_interval_s: float = 0.2
+    revoke_timeout_s: float = 10.0
+    session_timeout_ms: int = 10_000
+    heartbeat_interval_ms: int = 1_000
+    max_poll_interval_ms: int = 300_000
+    fetch_max_wait_ms: int = 100
+
+    @classmethod
+    def from_url(cls, url: str, **defaults: Any) -> KafkaOptions:
+        """Parse `kafka://servers?option=value`; URL options win over `defaults`."""
+        parts = urlsplit(url)
+        if parts.scheme != "kafka" or not parts.netloc:
+            raise ConfigurationError(f"expected kafka://host:port[,host:port...], got {url!r}")
+        types = {f.name: f.type for f in fields(cls) if f.name != "bootstrap_servers"}
+        values: dict[str, Any] = dict(defaults)
+        for name, raw in parse_qsl(parts.query, keep_blank_values=True):
+            if name not in types:
+                raise ConfigurationError(
+                    f"unknown Kafka option {name!r} in the broker URL; known: {', '.join(types)}"
+                )
+            convert = {"int": int, "float": float}.get(str(types[name]), str)
+            try:
+                values[name] = convert(raw)
+            except ValueError as exc:
+                raise ConfigurationError(f"Kafka option {name}={raw!r}: {exc}") from exc
+        options = cls(bootstrap_servers=parts.netloc, **values)
+        options.check()
+        return options
+
+    def check(self) -> None:
+        for name in ("partitions", "batch_max", "max_held", "heartbeat_interval_ms"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"Kafka option {name} must be at least 1")
+        if self.commit_interval_s <= 0 or self.revoke_timeout_s < 0:
+            raise ConfigurationError("commit_interval_s must be > 0 and revoke_timeout_s >= 0")
+        if not self.group_id:
+            raise ConfigurationError("Kafka option group_id must not be empty")
+
+
+def group_id_for(app_name: str) -> str:
+    """The consumer group of an app's workers, unless the URL names one."""
+    return f"dedupe-{app_name}"
+
+
+# -- topics ---------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _admin(options: KafkaOptions) -> AsyncIterator[AIOKafkaAdminClient]:
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=options.bootstrap_servers,
+        client_id=options.client_id,
+        request_timeout_ms=15_000,
+    )
+    await admin.start()
+    try:
+        yield admin
+    finally:
+        await admin.close()
+
+
+async def ensure_topics(options: KafkaOptions, names: Iterable[str]) -> None:
+    """Create the topics that do not exist yet (broker auto-creation may race consumers)."""
+    async with _admin(options) as admin:
+        existing = set(await admin.list_topics())
+        missing = sorted(set(names) - existing)
+        if not missing:
+            return
+        replication = options.replication_factor
+        if replication < 1:
+            brokers = (await admin.describe_cluster()).get("brokers") or [None]
+            replication = min(3, len(brokers))
+        response = await admin.create_topics(
+            [NewTopic(name, options.partitions, replication) for name in missing]
+        )
+        for topic, code, *rest in response.topic_errors:
+            if code and code != TopicAlreadyExistsError.errno:
+                raise ConfigurationError(
+                    f"cannot create Kafka topic {topic!r}: error {code} {rest[0] if rest else ''}"
+                )
+        logger.info(
+            "created Kafka topics %s (%d partitions)", ", ".join(missing), options.partitions
+        )
+
+
+def encode_headers(headers: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    return [
+        (str(name), value if isinstance(value, bytes) else str(value).encode())
+        for name, value in headers.items()
+        if value is not None
+    ]
+
+
+def idempotent_producer(options: KafkaOptions) -> AIOKafkaProducer:
+    return AIOKafkaProducer(
+        bootstrap_servers=options.bootstrap_servers,
+        client_id=options.client_id,
+        enable_idempotence=True,
+        acks="all",
+        linger_ms=1,
+    )
+
+
+# -- publishing -----------------------------------------------------------------------------
+
+
+class KafkaPublisher:
+    """Publishes to channels (topics) with an idempotent producer and acks=all: `publish`
+    returns once every in-sync replica has the record. Implements dedupe.transport.Publisher.
+
+    The message id travels in the `message-id` header (what `key="message_id"` reads) and, by
+    default, as the record key, so that copies of one message land in one partition.
+    """
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.options = KafkaOptions.from_url(url, **options)
+        self._producer: AIOKafkaProducer | None = None
+        self._topics: set[str] = set()
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> KafkaPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self._producer is None:
+                producer = idempotent_producer(self.options)
+                try:
+                    await producer.start()
+                except BaseException:
+                    await producer.stop()
+                    raise
+                self._producer = producer
+
+    async def publish(
+        self,
+        channel: str,
+        body: bytes,
+        *,
+        message_id: str,
+        headers: Mapping[str, str],
+        key: bytes | None = None,
+    ) -> None:
+        future = await self.send(
+            channel, body, message_id=message_id, headers=headers, key=key or message_id.encode()
+        )
+        await future
+
+    async def send(
+        self,
+        channel: str,
+        body: bytes,
+        *,
+        message_id: str | None,
+        headers: Mapping[str, Any],
+        key: bytes | None = None,
+        partition: int | None = None,
+    ) -> asyncio.Future[Any]:
+        """Queue one record; the returned future resolves when the broker has it."""
+        await self.start()
+        if channel not in self._topics:
+            await ensure_topics(self.options, [channel, dlq_name(channel)])
+            self._topics.add(channel)
+        assert self._producer is not None
+        record_headers = encode_headers(headers)
+        if message_id is not None:
+            record_headers.insert(0, (MESSAGE_ID_HEADER, message_id.encode()))
+        future: asyncio.Future[Any] = await self._producer.send(
+            channel, value=body, key=key, headers=record_headers, partition=partition
+        )
+        return future
+
+    async def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await producer.stop()
+
+
+async def publish(
+    url: str,
+    channel: str,
+    messages: Sequence[tuple[bytes, Mapping[str, Any], str | None]],
+    *,
+    partition: int | None = None,
+) -> int:
+    """Publish (body, headers, message_id) triples, acknowledged by all in-sync replicas.
+
+    The message id is the record key (None: the partitioner spreads them); `partition` pins
+    every record to one partition.
+    """
+    async with KafkaPublisher(url) as publisher:
+        pending = [
+            await publisher.send(
+                channel,
+                body,
+                message_id=message_id,
+                headers=headers,
+                key=message_id.encode() if message_id is not None else None,
+                partition=partition,
+            )
+            for body, headers, message_id in messages
+        ]
+        await asyncio.gather(*pending)
+    return len(messages)
+
+
+# -- inspection (tests, demo, operators) ----------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _reader(options: KafkaOptions) -> AsyncIterator[AIOKafkaConsumer]:
+    """A consumer outside any group (reads only what it is assigned)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=options.bootstrap_servers,
+        client_id=options.client_id,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await consumer.start()
+    try:
+        yield consumer
+    finally:
+        await consumer.stop()
+
+
+async def partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[TopicPartition]:
+    """The topic's partitions; none if it does not exist (and without auto-creating it)."""
+    if topic not in await admin.list_topics():
+        return []
+    [described] = await admin.describe_topics([topic])
+    return sorted(TopicPartition(topic, p["partition"]) for p in described["partitions"])
+
+
+async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
+    """Read up to `limit` dead letters of a channel from the start of <channel>.dlq."""
+    options = KafkaOptions.from_url(url)
+    async with _admin(options) as admin:
+        tps = await partitions_of(admin, dlq_name(channel))
+    found: list[dict[str, Any]] = []
+    if not tps:
+        return found
+    async with _reader(options) as consumer:
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        await consumer.seek_to_beginning(*tps)
+        remaining = {tp for tp in tps if ends[tp] > await consumer.position(tp)}
+        deadline = time.monotonic() + 15
+        while remaining and len(found) < limit and time.monotonic() < deadline:
+            batches = await consumer.getmany(*remaining, timeout_ms=200)
+            for tp, records in batches.items():
+                found.extend(_describe_dead_letter(record) for record in records)
+                if await consumer.position(tp) >= ends[tp]:
+                    remaining.discard(tp)
+    return found[:limit]
+
+
+def _describe_dead_letter(record: Any) -> dict[str, Any]:
+    headers = Headers(dict(record.headers or ()))
+    return {
+        "message_id": headers.get(MESSAGE_ID_HEADER),
+        "reason": headers.get(REASON_HEADER, "?"),
+        "detail": headers.get(DETAIL_HEADER, ""),
+        "scope": headers.get(SCOPE_HEADER),
+        "key": headers.get(KEY_HEADER),
+        "origin": headers.get(ORIGIN_HEADER),
+        "record_key": record.key,
+        "headers": dict(headers),
+        "bytes": len(record.value or b""),
+    }
+
+
+async def backlog(url: str, channel: str, group_id: str) -> int:
+    """Records of `channel` the group has not committed past yet (its lag)."""
+    options = KafkaOptions.from_url(url)
+    async with _admin(options) as admin:
+        tps = await partitions_of(admin, channel)
+        if not tps:
+            return 0
+        committed = await admin.list_consumer_group_offsets(group_id, partitions=tps)
+    async with _reader(options) as consumer:
+        starts = await consumer.beginning_offsets(tps)
+        ends = await consumer.end_offsets(tps)
+    total = 0
+    for tp in tps:
+        done = committed.get(tp)
+        position = max(done.offset if done is not None else -1, starts[tp])
+        total += max(ends[tp] - position, 0)
+    return total
+
+
+def with_options(url: str, **options: Any) -> str:
+    """The URL with `?option=value` pairs added (e.g. a test's own group id)."""
+    query = urlencode(options)
+    return f"{url}{'&' if '?' in url else '?'}{query}" if query else url
+
+
+__all__ = [
+    "ORIGIN_HEADER",
+    "KafkaOptions",
+    "KafkaPublisher",
+    "backlog",
+    "ensure_topics",
+    "group_id_for",
+    "peek_dead_letters",
+    "publish",
+    "with_options",
+]

@@ -1,0 +1,294 @@
+"""The work and the offsets of one assigned Kafka partition (no broker I/O of its own).
+
+A fetched batch runs as one `process()` call per wave: a wave never holds two records of one
+record key, so messages of a key run in offset order while the others run side by side. A
+message the core defers or requeues is held, with the later messages of its key queued behind
+it, and runs again when due, beside the stream. The commit position is the first offset
+without a final outcome, so an offset is never committed past an unfinished message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from dedupe.keys import MESSAGE_ID_HEADER
+from dedupe.message import Headers, Message
+from dedupe.transport import Action, Process, Settlement
+
+logger = logging.getLogger(__name__)
+
+# aiokafka's ConsumerRecord and TopicPartition (duck-typed, so this module needs no broker).
+ConsumerRecord = Any
+TopicPartition = Any
+
+# Delay before a batch that failed inside the core (a bug, not a message problem) runs again.
+INTERNAL_ERROR_DELAY_S = 5.0
+
+
+def to_message(record: ConsumerRecord, *, attempt: int = 1) -> Message:
+    """The envelope the core sees for a Kafka record."""
+    headers = Headers(dict(record.headers or ()))
+    return Message(
+        channel=record.topic,
+        body=record.value if record.value is not None else b"",
+        headers=headers,
+        message_id=headers.get(MESSAGE_ID_HEADER) or None,
+        attempt=attempt,
+        content_type=headers.get("content-type"),
+        meta={
+            "topic": record.topic,
+            "partition": record.partition,
+            "offset": record.offset,
+            "key": record.key,
+            "timestamp_ms": record.timestamp,
+        },
+    )
+
+
+class KafkaDelivery:
+    """One record handed to the core; settling it records its outcome in its partition."""
+
+    __slots__ = ("_message", "attempt", "due", "partition", "record", "settled")
+
+    def __init__(self, partition: PartitionWork, record: ConsumerRecord, attempt: int = 1) -> None:
+        self.partition = partition
+        self.record = record
+        self.attempt = attempt
+        self.due = 0.0  # loop time at which a held delivery may run again
+        self.settled = False
+        self._message: Message | None = None
+
+    @property
+    def message(self) -> Message:
+        if self._message is None:
+            self._message = to_message(self.record, attempt=self.attempt)
+        return self._message
+
+    @property
+    def offset(self) -> int:
+        return int(self.record.offset)
+
+    async def settle(self, settlement: Settlement) -> None:
+        self.settled = True
+        await self.partition.settle(self, settlement)
+
+
+def _chain_key(record: ConsumerRecord) -> object:
+    # Records without a key have no order to keep: each is its own chain.
+    return record.key if record.key is not None else ("offset", record.offset)
+
+
+def _waves(records: Sequence[ConsumerRecord]) -> list[list[ConsumerRecord]]:
+    """Split records so that no wave holds two records of one key; order kept within a key."""
+    waves: list[list[ConsumerRecord]] = []
+    seen: collections.Counter[object] = collections.Counter()
+    for record in records:
+        key = _chain_key(record)
+        index = seen[key]
+        seen[key] += 1
+        if index == len(waves):
+            waves.append([])
+        waves[index].append(record)
+    return waves
+
+
+# -- one assigned partition -----------------------------------------------------------------
+
+
+class PartitionWork:
+    """The work and the offsets of one assigned partition, for one assignment.
+
+    `pending` maps every fetched offset without a final outcome to whether it has one now; the
+    commit position is the first offset still without one (offsets only move forward).
+    """
+
+    def __init__(
+        self,
+        tp: TopicPartition,
+        process: Process,
+        *,
+        batch_max: int,
+        max_held: int,
+        dead_letter: Callable[[ConsumerRecord, Settlement], Awaitable[bool]],
+        pause: Callable[[TopicPartition], None],
+        resume: Callable[[TopicPartition], None],
+    ) -> None:
+        self.tp = tp
+        self._process = process
+        self._batch_max = batch_max
+        self._max_held = max_held
+        self._dead_letter = dead_letter
+        self._pause = pause
+        self._resume = resume
+        self.pending: dict[int, bool] = {}
+        self.fetched_to: int | None = None
+        self.committed: int | None = None
+        self.held: dict[object, collections.deque[KafkaDelivery]] = {}
+        self.closing = False  # revoked or stopping: start nothing new
+        self._batch: asyncio.Task[None] | None = None
+        self._retrier: asyncio.Task[None] | None = None
+        self._retrying = False
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- positions ------------------------------------------------------------------------
+
+    def position(self) -> int | None:
+        """The offset to commit: nothing before it lacks a final outcome."""
+        for offset in self.pending:
+            return offset
+        return self.fetched_to
+
+    def _done(self, offset: int) -> None:
+        if offset in self.pending:
+            self.pending[offset] = True
+        while self.pending:
+            first = next(iter(self.pending))
+            if not self.pending[first]:
+                break
+            del self.pending[first]
+
+    @property
+    def held_count(self) -> int:
+        return sum(len(chain) for chain in self.held.values())
+
+    @property
+    def busy(self) -> bool:
+        return self._batch is not None
+
+    # -- fetched batches ------------------------------------------------------------------
+
+    def feed(self, records: Sequence[ConsumerRecord]) -> None:
+        """Take a fetched batch (the partition is paused until it has run)."""
+        assert self._batch is None, "a partition runs one fetched batch at a time"
+        if self.committed is None:
+            self.committed = records[0].offset  # where the group stood when we got it
+        for record in records:
+            self.pending[record.offset] = False
+        self.fetched_to = records[-1].offset + 1
+        self._pause(self.tp)
+        self._idle.clear()
+        self._batch = asyncio.create_task(
+            self._run_batch(records), name=f"kafka-batch-{self.tp.topic}-{self.tp.partition}"
+        )
+
+    async def _run_batch(self, records: Sequence[ConsumerRecord]) -> None:
+        try:
+            for start in range(0, len(records), self._batch_max):
+                for wave in _waves(records[start : start + self._batch_max]):
+                    if self.closing:
+                        return
+                    ready: list[KafkaDelivery] = []
+                    for record in wave:
+                        delivery = KafkaDelivery(self, record)
+                        chain = self.held.get(_chain_key(record))
+                        if chain is not None:
+                            chain.append(delivery)  # runs after the held message of its key
+                        else:
+                            ready.append(delivery)
+                    if ready:
+                        await self._run(ready)
+        finally:
+            self._batch = None
+            self._after_work()
+
+    async def _run(self, deliveries: Sequence[KafkaDelivery]) -> None:
+        try:
+            await self._process(self.tp.topic, deliveries)
+        except Exception:
+            logger.exception("processing a batch from %s failed; it runs again later", self.tp)
+            for delivery in deliveries:
+                if not delivery.settled:
+                    self._hold(delivery, INTERNAL_ERROR_DELAY_S)
+
+    # -- outcomes -------------------------------------------------------------------------
+
+    async def settle(self, delivery: KafkaDelivery, settlement: Settlement) -> None:
+        if settlement.action is Action.ACK:
+            self._final(delivery)
+        elif settlement.action is Action.DEAD_LETTER:
+            # Done only once the dead letter is on the broker; otherwise the offset stays.
+            if await self._dead_letter(delivery.record, settlement):
+                self._final(delivery)
+        elif self.closing:
+            # Stopping or revoked: not committed past, so the next owner reads it again.
+            logger.debug("%s offset %d left to the next owner", self.tp, delivery.offset)
+        else:
+            self._hold(delivery, settlement.delay_s)
+
+    def _final(self, delivery: KafkaDelivery) -> None:
+        chain = self.held.get(_chain_key(delivery.record))
+        if chain and chain[0] is delivery:
+            chain.popleft()
+            if chain:
+                chain[0].due = 0.0  # the next message of this key may run now
+                self._wake.set()
+            else:
+                del self.held[_chain_key(delivery.record)]
+        self._done(delivery.offset)
+
+    def _hold(self, delivery: KafkaDelivery, delay_s: float) -> None:
+        """Keep a message to run again after delay_s; later messages of its key wait behind."""
+        again = KafkaDelivery(self, delivery.record, attempt=delivery.attempt + 1)
+        again.due = asyncio.get_running_loop().time() + max(delay_s, 0.05)
+        key = _chain_key(delivery.record)
+        chain = self.held.get(key)
+        if chain and chain[0] is delivery:
+            chain[0] = again
+        elif chain:
+            # Not reachable through the batch path (it holds keys back); keep offset order.
+            items = sorted([*chain, again], key=lambda d: d.offset)
+            chain.clear()
+            chain.extend(items)
+        else:
+            self.held[key] = collections.deque([again])
+        if self._retrier is None or self._retrier.done():
+            self._retrier = asyncio.create_task(
+                self._retry_loop(), name=f"kafka-retry-{self.tp.topic}-{self.tp.partition}"
+            )
+        self._wake.set()
+
+    async def _retry_loop(self) -> None:
+        """Run held messages when due, all due ones in one process() call."""
+        loop = asyncio.get_running_loop()
+        while self.held and not self.closing:
+            now = loop.time()
+            heads = [chain[0] for chain in self.held.values()]
+            ready = [head for head in heads if head.due <= now]
+            if not ready:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(head.due for head in heads) - now):
+                        await self._wake.wait()
+                continue
+            self._retrying = True
+            self._idle.clear()
+            try:
+                await self._run(ready)
+            finally:
+                self._retrying = False
+                self._after_work()
+
+    def _after_work(self) -> None:
+        if self._batch is None and not self._retrying:
+            self._idle.set()
+            if not self.closing and self.held_count < self._max_held:
+                self._resume(self.tp)
+
+    # -- endings --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Start nothing new: no next wave, no retry (held messages stay uncommitted)."""
+        self.closing = True
+        if self._retrier is not None and not self._retrying:
+            self._retrier.cancel()
+        self._wake.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()

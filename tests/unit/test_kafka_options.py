@@ -1,0 +1,50 @@
+"""Kafka options come from the broker URL; the consumer group is named after the app."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumers.kafka import KafkaOptions, KafkaTransport, with_options
+from dedupe.errors import ConfigurationError
+from dedupe.settings import Settings
+
+
+def test_the_group_is_named_after_the_app_unless_the_url_names_one() -> None:
+    assert KafkaTransport("kafka://127.0.0.1:9092", app_name="shop").options.group_id == (
+        "dedupe-shop"
+    )
+    named = KafkaTransport("kafka://127.0.0.1:9092?group_id=billing", app_name="shop")
+    assert named.options.group_id == "billing"
+
+
+def test_url_options_are_typed_and_win_over_settings() -> None:
+    settings = Settings(broker_url="kafka://a:9092", concurrency=8, worker_name="w1")
+    transport = KafkaTransport(
+        "kafka://a:9092,b:9092?partitions=8&commit_interval_s=0.5&batch_max=10", settings=settings
+    )
+    options = transport.options
+    assert options.bootstrap_servers == "a:9092,b:9092"
+    assert (options.partitions, options.commit_interval_s, options.batch_max) == (8, 0.5, 10)
+    assert options.client_id == "w1"
+    assert KafkaTransport("kafka://a:9092", settings=settings).options.batch_max == 16
+
+
+@pytest.mark.parametrize(
+    ("url", "complaint"),
+    [
+        ("kafka://a:9092?colour=red", "unknown Kafka option 'colour'"),
+        ("kafka://a:9092?partitions=many", "partitions='many'"),
+        ("kafka://a:9092?partitions=0", "partitions must be at least 1"),
+        ("kafka://a:9092?group_id=", "group_id must not be empty"),
+        ("amqp://a:5672/", "expected kafka://"),
+    ],
+)
+def test_bad_options_say_what_is_wrong(url: str, complaint: str) -> None:
+    with pytest.raises(ConfigurationError, match=complaint.replace("(", r"\(")):
+        KafkaOptions.from_url(url)
+
+
+def test_with_options_adds_query_parameters() -> None:
+    url = with_options("kafka://a:9092", group_id="g 1")
+    assert url == "kafka://a:9092?group_id=g+1"
+    assert KafkaOptions.from_url(with_options(url, partitions=2)).group_id == "g 1"

@@ -1,0 +1,239 @@
+"""The work and offsets of one Kafka partition, without a broker: waves, holds, commit position."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from consumers.kafka_partition import KafkaDelivery, PartitionWork, to_message
+from dedupe.transport import ACK, Action, Delivery, Reason, Settlement
+
+
+@dataclass(frozen=True)
+class TP:
+    topic: str = "orders"
+    partition: int = 0
+
+
+@dataclass(frozen=True)
+class Record:
+    offset: int
+    key: bytes | None = None
+    value: bytes | None = b"{}"
+    headers: tuple[tuple[str, bytes], ...] = ()
+    topic: str = "orders"
+    partition: int = 0
+    timestamp: int = 0
+
+
+def records(*keys: str | None, start: int = 0) -> list[Record]:
+    return [
+        Record(start + i, key.encode() if key is not None else None) for i, key in enumerate(keys)
+    ]
+
+
+Decide = Callable[[KafkaDelivery], Settlement]
+
+
+@dataclass
+class Harness:
+    """A PartitionWork whose core is a function deciding each delivery's settlement."""
+
+    decide: Decide = lambda _delivery: ACK
+    batch_max: int = 64
+    max_held: int = 1000
+    dead_letters_written: bool = True
+    calls: list[list[tuple[int, int]]] = field(default_factory=list)  # [(offset, attempt)]
+    paused: int = 0
+    resumed: int = 0
+    dead: list[int] = field(default_factory=list)
+    work: PartitionWork = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.work = PartitionWork(
+            TP(),
+            self.process,
+            batch_max=self.batch_max,
+            max_held=self.max_held,
+            dead_letter=self.dead_letter,
+            pause=self.pause,
+            resume=self.resume,
+        )
+
+    async def process(self, channel: str, deliveries: Sequence[Delivery]) -> None:
+        assert channel == "orders"
+        batch = [d for d in deliveries if isinstance(d, KafkaDelivery)]
+        self.calls.append([(d.offset, d.message.attempt) for d in batch])
+        await asyncio.sleep(0)
+        for delivery in batch:
+            await delivery.settle(self.decide(delivery))
+
+    async def dead_letter(self, record: Record, settlement: Settlement) -> bool:
+        self.dead.append(record.offset)
+        return self.dead_letters_written
+
+    def pause(self, tp: TP) -> None:
+        self.paused += 1
+
+    def resume(self, tp: TP) -> None:
+        self.resumed += 1
+
+    async def run(self, batch: list[Record]) -> None:
+        self.work.feed(batch)
+        await self.idle()
+
+    async def idle(self) -> None:
+        async with asyncio.timeout(5):
+            await self.work.wait_idle()
+
+
+def defer_first_attempt(*offsets: int, delay_s: float = 0.05) -> Decide:
+    def decide(delivery: KafkaDelivery) -> Settlement:
+        if delivery.offset in offsets and delivery.attempt == 1:
+            return Settlement(Action.DEFER, delay_s=delay_s)
+        return ACK
+
+    return decide
+
+
+async def test_a_fetched_batch_of_distinct_keys_is_one_process_call() -> None:
+    """One call (one claim statement) for the batch; the commit position moves past it."""
+    h = Harness()
+    await h.run(records("a", "b", None, None, "c"))
+    assert h.calls == [[(0, 1), (1, 1), (2, 1), (3, 1), (4, 1)]]
+    assert h.work.position() == 5
+    assert (h.paused, h.resumed) == (1, 1)
+
+
+async def test_records_sharing_a_key_run_one_after_another_in_offset_order() -> None:
+    """A key's second record runs in a later wave than its first; other keys are not split."""
+    h = Harness()
+    await h.run(records("a", "b", "a", "c", "a"))
+    assert h.calls == [[(0, 1), (1, 1), (3, 1)], [(2, 1)], [(4, 1)]]
+    assert h.work.position() == 5
+
+
+async def test_batches_larger_than_batch_max_are_split() -> None:
+    h = Harness(batch_max=2)
+    await h.run(records(None, None, None, None, None))
+    assert [len(call) for call in h.calls] == [2, 2, 1]
+
+
+async def test_the_commit_position_stops_at_a_deferred_message_until_it_is_settled() -> None:
+    """Later offsets complete, but nothing is committed past the one still waiting."""
+    h = Harness(decide=defer_first_attempt(1, delay_s=0.3))
+    await h.run(records("a", "b", "c", "d"))
+    assert h.work.position() == 1
+    assert h.work.pending == {1: False, 2: True, 3: True}
+    await asyncio.sleep(0.5)
+    await h.idle()
+    assert h.calls[-1] == [(1, 2)]  # ran again, as attempt 2
+    assert h.work.position() == 4
+    assert not h.work.held
+
+
+async def test_a_deferred_message_holds_back_only_the_later_messages_of_its_key() -> None:
+    """Other keys flow on; the same key's next message waits, then runs after it, in order."""
+    h = Harness(decide=defer_first_attempt(0, delay_s=0.2))
+    await h.run(records("a", "b"))
+    await h.run(records("a", "c", start=2))  # "a" is still held: offset 2 must wait
+    assert [o for call in h.calls for o, _ in call] == [0, 1, 3]
+    assert h.work.held_count == 2
+    await asyncio.sleep(0.4)
+    await h.idle()
+    ran = [(o, a) for call in h.calls for o, a in call]
+    assert ran == [(0, 1), (1, 1), (3, 1), (0, 2), (2, 1)]
+    assert h.work.position() == 4
+
+
+async def test_due_held_messages_of_several_keys_run_as_one_batch() -> None:
+    h = Harness(decide=defer_first_attempt(0, 1, 2, delay_s=0.1))
+    await h.run(records("a", "b", "c"))
+    await asyncio.sleep(0.3)
+    await h.idle()
+    assert h.calls[-1] == [(0, 2), (1, 2), (2, 2)]
+
+
+async def test_a_dead_letter_counts_as_done_only_once_the_broker_has_it() -> None:
+    def decide(delivery: KafkaDelivery) -> Settlement:
+        if delivery.offset == 0:
+            return Settlement(Action.DEAD_LETTER, reason=Reason.INVALID_PAYLOAD, detail="x")
+        return ACK
+
+    written = Harness(decide=decide)
+    await written.run(records("a", "b"))
+    assert (written.dead, written.work.position()) == ([0], 2)
+
+    lost = Harness(decide=decide, dead_letters_written=False)
+    await lost.run(records("a", "b"))
+    assert (lost.dead, lost.work.position()) == ([0], 0)
+
+
+async def test_a_closing_partition_starts_nothing_new_and_keeps_requeued_offsets() -> None:
+    """On revocation or shutdown: no next wave, no retries, nothing committed past a requeue."""
+    h = Harness(decide=lambda d: Settlement(Action.REQUEUE, detail="stopping"))
+    h.work.close()
+    await h.run(records("a", "a"))
+    assert h.calls == []
+    assert h.work.position() == 0
+
+    late = Harness(decide=lambda d: Settlement(Action.REQUEUE, detail="stopping"))
+    late.work.feed(records("a", "b"))
+    late.work.close()
+    await late.idle()
+    assert late.work.position() == 0
+    assert not late.work.held
+    assert late.resumed == 0
+
+
+async def test_too_many_held_messages_keep_the_partition_paused() -> None:
+    h = Harness(decide=defer_first_attempt(0, 1, delay_s=0.2), max_held=2)
+    await h.run(records("a", "b"))
+    assert h.resumed == 0  # two held: no more fetching until they drain
+    await asyncio.sleep(0.4)
+    await h.idle()
+    assert h.resumed >= 1
+    assert h.work.position() == 2
+
+
+async def test_a_failure_inside_the_core_holds_the_unsettled_messages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("consumers.kafka_partition.INTERNAL_ERROR_DELAY_S", 0.05)
+    h = Harness()
+    broken = [True]
+
+    async def process(channel: str, deliveries: Sequence[Delivery]) -> None:
+        if broken[0]:
+            broken[0] = False
+            raise RuntimeError("bug")
+        await Harness.process(h, channel, deliveries)
+
+    h.work._process = process
+    await h.run(records("a"))
+    await asyncio.sleep(0.2)
+    await h.idle()
+    assert h.calls == [[(0, 2)]]
+    assert h.work.position() == 1
+
+
+def test_a_record_becomes_a_message_with_its_id_header_and_coordinates() -> None:
+    record = Record(
+        7, b"k", b'{"n": 1}', headers=(("message-id", b"m-1"), ("Content-Type", b"app/json"))
+    )
+    message = to_message(record, attempt=3)
+    assert message.message_id == "m-1"
+    assert message.attempt == 3
+    assert message.content_type == "app/json"
+    assert message.body == b'{"n": 1}'
+    assert dict(message.meta) == {
+        "topic": "orders",
+        "partition": 0,
+        "offset": 7,
+        "key": b"k",
+        "timestamp_ms": 0,
+    }
+    assert to_message(Record(8, value=None)).body == b""
