@@ -8,10 +8,11 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pydantic
@@ -21,7 +22,7 @@ from .errors import ConfigurationError, DedupeError, StoreError
 from .pipeline import Processor
 from .settings import Settings
 from .store import ClaimStore, connect_pool, migrate, redact
-from .transport import Transport
+from .transport import Publisher, Transport
 
 logger = logging.getLogger("dedupe.cli")
 T = TypeVar("T")
@@ -91,8 +92,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         raise UsageError(f"invalid configuration: {problems}") from exc
 
 
-def load_app(target: str) -> App:
-    """Import `module:attribute` and check it is an App with handlers."""
+def load_app(target: str, *, need: str = "handlers") -> App:
+    """Import `module:attribute` and check it is an App with handlers (or webhooks)."""
     module_name, _, attribute = target.partition(":")
     if not module_name or not attribute:
         raise UsageError(f"{target!r}: expected MODULE:APP, for example handlers.payments:app")
@@ -111,6 +112,12 @@ def load_app(target: str) -> App:
             f"{module_name!r} has no dedupe App named {attribute!r}; define one with "
             "app = dedupe.App('name')"
         )
+    if need == "webhooks":
+        if not app.webhooks:
+            raise UsageError(
+                f"app {app.name!r} declares no webhook sources; add one with app.webhook(...)"
+            )
+        return app
     if not app.handlers:
         raise UsageError(f"app {app.name!r} has no handlers; register one with @app.handler(...)")
     return app
@@ -135,6 +142,25 @@ def make_transport(settings: Settings, *, app_name: str | None = None) -> Transp
         batch_max=settings.effective_prefetch,
         connection_name=f"dedupe-worker {settings.worker_name}",
     )
+
+
+def make_publisher(settings: Settings) -> Publisher:
+    """Pick the publisher (confirmed publishes, for the webhook receiver) from the broker URL."""
+    if settings.broker_url.startswith("kafka://"):
+        try:
+            from consumers.kafka import (  # type: ignore[import-not-found,attr-defined,unused-ignore]
+                KafkaPublisher,
+            )
+        except ImportError as exc:
+            raise UsageError(
+                f"publishing to Kafka needs consumers.kafka.KafkaPublisher, which is not "
+                f"available in this install ({exc}); use an amqp:// broker for now"
+            ) from exc
+        publisher: Publisher = KafkaPublisher(settings.broker_url)
+        return publisher
+    from consumers.rabbitmq import RabbitMQPublisher
+
+    return RabbitMQPublisher(settings.broker_url)
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -209,6 +235,85 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
             await transport.close()
     logger.info("stopped; %s", json.dumps(processor.stats.snapshot()))
     return 0
+
+
+async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        import uvicorn
+
+        from consumers.receiver import create_receiver
+    except ImportError as exc:
+        raise UsageError(
+            f"the webhook receiver needs its extra: pip install 'dedupe-worker[receiver]' ({exc})"
+        ) from exc
+    app = load_app(args.app, need="webhooks")
+    for noisy in ("aiormq", "aio_pika"):
+        # At DEBUG the AMQP client logs whole frames, bodies included: never a payload in logs.
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
+    host = args.host or os.environ.get("DEDUPE_RECEIVER_HOST") or "127.0.0.1"
+    try:
+        port = (
+            args.port
+            if args.port is not None
+            else int(os.environ.get("DEDUPE_RECEIVER_PORT", "8080"))
+        )
+    except ValueError as exc:
+        raise UsageError("DEDUPE_RECEIVER_PORT must be a port number") from exc
+    for source in app.webhooks.values():
+        try:
+            source.verify.check()  # a missing secret stops us here, not at the first request
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"webhook source {source.name!r}: {exc}") from exc
+    publisher = make_publisher(settings)
+    pool = await _retrying(
+        "PostgreSQL",
+        lambda: connect_pool(settings.database_url, max_size=args.pool_size),
+        settings.connect_timeout_s,
+    )
+    async with pool:
+        store = ClaimStore(pool, owner=settings.worker_name)
+        await _check_migrated(store)
+        asgi = create_receiver(
+            app, store=store, publisher=lambda: publisher, owner=settings.worker_name
+        )
+        config = uvicorn.Config(
+            asgi,
+            host=host,
+            port=port,
+            lifespan="on",
+            log_config=None,  # our logging.basicConfig, not uvicorn's
+            access_log=False,  # per-request lines at DEBUG come from the receiver
+            server_header=False,
+            timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
+        )
+
+        class QuietServer(uvicorn.Server):
+            """uvicorn without signal handlers of its own: ours are installed below."""
+
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        server = QuietServer(config)
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int) -> None:
+            if server.should_exit:
+                logger.warning("second signal: closing open connections now")
+                server.force_exit = True
+            else:
+                logger.info(
+                    "%s received: finishing open requests, then stopping",
+                    signal.Signals(signum).name,
+                )
+                server.should_exit = True
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+        await server.serve()
+    stats = asgi.state.receiver.stats
+    logger.info("receiver stopped; %s", json.dumps(dict(stats)))
+    return 0 if server.started else 1
 
 
 async def _retrying(what: str, connect: Callable[[], Awaitable[T]], timeout_s: float) -> T:
@@ -427,6 +532,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--worker-name", help="owner written on claims [DEDUPE_WORKER_NAME; host:pid]")
     run.set_defaults(handler=cmd_run)
+
+    receive = sub.add_parser(
+        "receive",
+        help="serve the app's webhook sources over HTTP (POST /webhooks/<source>)",
+        formatter_class=fmt,
+        description="Verify webhook signatures, claim each delivery's idempotency key, publish "
+        "it to its channel with confirms and store the reply, so that a provider's retries "
+        "are answered with the same reply and published once. SIGTERM or SIGINT finishes "
+        "open requests; a second signal closes them.",
+    )
+    receive.add_argument("app", metavar="MODULE:APP", help="e.g. handlers.webhooks:app")
+    _common(receive, broker=True)
+    receive.add_argument("--host", help="address to listen on [DEDUPE_RECEIVER_HOST; 127.0.0.1]")
+    receive.add_argument("--port", type=int, help="port [DEDUPE_RECEIVER_PORT; 8080]")
+    receive.add_argument(
+        "--pool-size", type=int, default=20, help="PostgreSQL connections (default 20)"
+    )
+    receive.set_defaults(handler=cmd_receive)
 
     mig = sub.add_parser("migrate", help="create or update the claims table")
     _common(mig, broker=False)
