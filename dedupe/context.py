@@ -77,9 +77,15 @@ class Database:
         try:
             if tx is not None:
                 await tx.rollback()
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
-            # A broken connection rolls back by itself; the pool discards it below.
-            pass
+        except (
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,
+            OSError,
+        ):
+            # The server rolls back a broken session by itself. Never hand a connection in an
+            # unknown state back to the pool (asyncpg would reuse it): close it instead.
+            conn.terminate()
         finally:
             await self._pool.release(conn)
 

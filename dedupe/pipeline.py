@@ -329,8 +329,7 @@ class Processor:
             try:
                 payload = handler.decode(message)
             except InvalidPayload as exc:
-                await self._fail(handler, fence, f"{Reason.INVALID_PAYLOAD}: {exc}")
-                return _dead_letter(Reason.INVALID_PAYLOAD, str(exc), fence)
+                return await self._give_up(handler, fence, Reason.INVALID_PAYLOAD, str(exc))
             return await self._attempts(handler, message, payload, run, claim.attempts, log)
         except asyncio.CancelledError:
             if not (run.lost or run.stopping):
@@ -406,22 +405,14 @@ class Processor:
             log.warning("claim store unavailable, requeueing: %s", exc)
             return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
         except _CrashLoop as exc:
-            await self._fail(handler, fence, f"{Reason.MAX_ATTEMPTS}: {exc}")
-            log.error("dead-lettered: %s", exc)
-            return _dead_letter(Reason.MAX_ATTEMPTS, str(exc), fence)
+            return await self._give_up(handler, fence, Reason.MAX_ATTEMPTS, str(exc))
         except Reject as exc:
-            await self._fail(handler, fence, f"{Reason.REJECTED}: {exc.reason}")
-            return _dead_letter(Reason.REJECTED, exc.reason, fence)
+            return await self._give_up(handler, fence, Reason.REJECTED, exc.reason)
         except Exception as exc:
             if transient(exc):
-                await self._fail(handler, fence, f"{Reason.MAX_ATTEMPTS}: {_describe(exc)}")
-                log.error("dead-lettered after %d attempts: %s", counted[0], _describe(exc))
-                return _dead_letter(
-                    Reason.MAX_ATTEMPTS, f"{counted[0]} attempts, last: {_describe(exc)}", fence
-                )
-            await self._fail(handler, fence, f"{Reason.HANDLER_ERROR}: {_describe(exc)}")
-            log.error("dead-lettered, not retryable: %s", _describe(exc))
-            return _dead_letter(Reason.HANDLER_ERROR, _describe(exc), fence)
+                detail = f"{counted[0]} attempts, last: {_describe(exc)}"
+                return await self._give_up(handler, fence, Reason.MAX_ATTEMPTS, detail)
+            return await self._give_up(handler, fence, Reason.HANDLER_ERROR, _describe(exc))
         self.stats.completed += 1
         return Settlement(Action.ACK, result=result)
 
@@ -449,8 +440,8 @@ class Processor:
                     counted[0] = number
                     if number > handler.max_attempts:
                         raise _CrashLoop(
-                            f"taken over from dead workers {number - 1} times (max_attempts="
-                            f"{handler.max_attempts}): it may be what kills them"
+                            f"started {number - 1} times without finishing (max_attempts="
+                            f"{handler.max_attempts}): its workers died or lost the database"
                         )
                 await self._run_hooks("claimed", message, fence)
                 if handler.takes_context:
@@ -496,12 +487,28 @@ class Processor:
         done = await self.store.complete(items)
         return [(fence.scope, fence.key) in done for fence, _, _ in items]
 
-    async def _fail(self, handler: Handler, fence: Fence, error: str) -> None:
+    async def _give_up(
+        self, handler: Handler, fence: Fence, reason: Reason, detail: str
+    ) -> Settlement:
+        """Mark the key failed, then dead-letter the message.
+
+        Only once the failure is recorded: a dead letter whose claim stayed in progress would
+        leave its key stuck with no delivery left to finish it, so then the message is requeued
+        and the next delivery tries again.
+        """
         try:
-            await self.store.fail(fence, error=error[:1000], retention_s=handler.retention_s)
+            recorded = await self.store.fail(
+                fence, error=f"{reason}: {detail}"[:1000], retention_s=handler.retention_s
+            )
         except StoreError as exc:
-            # The claim stays in progress until its lease lapses; the dead letter still goes out.
-            logger.warning("could not mark %s/%s failed: %s", fence.scope, fence.key, exc)
+            logger.warning(
+                "could not mark %s/%s failed, requeueing: %s", fence.scope, fence.key, exc
+            )
+            return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
+        if not recorded:  # another worker owns the key now; let its outcome decide
+            self.stats.lease_lost += 1
+            return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
+        return _dead_letter(reason, detail, fence)
 
     async def _give_back(self, fence: Fence) -> None:
         try:

@@ -10,6 +10,12 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
 
 from .errors import StoreError
 from .sql import migrations, queries
@@ -106,7 +112,19 @@ class ClaimStore:
         try:
             if conn is not None:
                 return list(await conn.fetch(self._q[name], *args))
-            return list(await self.pool.fetch(self._q[name], *args))
+            # A statement of its own is sent again after a transient error, on another pooled
+            # connection. Every statement here is safe to repeat: a repeated claim finds its own
+            # live lease (the message is deferred), a repeated completion finds the key
+            # completed (the message is a duplicate).
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(TRANSIENT_ERRORS),
+                stop=stop_after_attempt(4),
+                wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
+                reraise=True,
+            ):
+                with attempt:
+                    return list(await self.pool.fetch(self._q[name], *args))
+            raise AssertionError("unreachable")  # pragma: no cover
         except TRANSIENT_ERRORS as exc:
             raise StoreError(f"{name} failed: {exc.__class__.__name__}: {exc}") from exc
         except asyncpg.PostgresError as exc:

@@ -46,13 +46,15 @@ RETURNING c.scope, c.key;
 
 -- name: complete
 -- Record outcomes, fenced by the token: a key taken over by another worker is not ours to
--- complete. Run inside the handler's transaction when it wrote through ctx.db.
+-- complete. Run inside the handler's transaction when it wrote through ctx.db. Repeating it
+-- (after a reply lost to a broken connection) finds our own outcome and answers the same.
 UPDATE dedupe_claims AS c
    SET status = 'completed', result = i.result::jsonb, lease_until = NULL, error = NULL,
        updated_at = now(), expires_at = now() + make_interval(secs => i.retention_s)
   FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::float8[])
        AS i(scope, key, token, result, retention_s)
- WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token AND c.status = 'in_progress'
+ WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token
+   AND c.status IN ('in_progress', 'completed')
 RETURNING c.scope, c.key;
 
 -- name: record_attempt
@@ -66,10 +68,11 @@ RETURNING attempts;
 
 -- name: fail
 -- A terminal failure (dead-lettered): duplicates of this key are acknowledged from now on.
+-- Repeating it finds our own failure and answers the same.
 UPDATE dedupe_claims
    SET status = 'failed', retryable = false, error = $4, lease_until = NULL, updated_at = now(),
        expires_at = now() + make_interval(secs => $5)
- WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
+ WHERE scope = $1 AND key = $2 AND token = $3 AND status IN ('in_progress', 'failed')
 RETURNING 1;
 
 -- name: give_back

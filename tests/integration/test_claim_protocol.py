@@ -240,7 +240,7 @@ async def test_attempts_survive_crash_loops_and_stop_them(
         delivery = job("k")
         assert await process(processor, delivery) == [Action.DEAD_LETTER]
         assert delivery.settlements[-1].reason is Reason.MAX_ATTEMPTS
-        assert "taken over from dead workers 3 times" in (delivery.settlements[-1].detail or "")
+        assert "started 3 times without finishing" in (delivery.settlements[-1].detail or "")
     assert calls == []
     assert await db.fetchval("SELECT status FROM dedupe_claims") == "failed"
 
