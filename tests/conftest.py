@@ -107,6 +107,21 @@ def amqp_url() -> str:
     return AMQP_URL
 
 
+@pytest.fixture
+def kafka_url() -> str:
+    return KAFKA_URL
+
+
+@pytest.fixture(params=["rabbitmq", "kafka"])
+def broker(request: pytest.FixtureRequest) -> object:
+    """The same test body on each broker: publish, make workers, read dead letters and backlog."""
+    from tests.integration.brokers import KafkaBroker, RabbitBroker
+
+    if request.param == "rabbitmq":
+        return RabbitBroker(AMQP_URL)
+    return KafkaBroker(KAFKA_URL)
+
+
 @contextlib.asynccontextmanager
 async def running(
     app: App, store: ClaimStore, transport: object, **options: object
