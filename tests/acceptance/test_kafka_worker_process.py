@@ -1,0 +1,203 @@
+"""The real `dedupe-worker` command on Kafka: kill -9 mid-batch, a crash between completion and
+the offset commit, and a graceful stop that commits what it finished."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from consumers import kafka
+from tests.conftest import ROOT, eventually
+
+CLI = [sys.executable, "-m", "dedupe.cli"]
+
+
+@pytest.fixture
+async def effects(db: asyncpg.Connection) -> asyncpg.Connection:
+    await db.execute("CREATE TABLE effects (key text NOT NULL, n int NOT NULL, pid int)")
+    return db
+
+
+@pytest.fixture
+def group_url(kafka_url: str) -> str:
+    """The broker URL with a consumer group of this test's own (the CLI's default group is
+    named after the app, which other tests' workers share)."""
+    return kafka.with_options(
+        kafka_url, group_id=f"t-{uuid.uuid4().hex[:10]}", session_timeout_ms=6000
+    )
+
+
+@pytest.fixture
+def spawn(
+    db_url: str, group_url: str, channel: str, tmp_path: Path
+) -> AsyncIterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start `dedupe-worker run tests.apps.crashy:app` on Kafka; kill leftovers at the end."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*extra: str, lease_s: float = 2.0, **url_options: object) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "DEDUPE_DATABASE_URL": db_url,
+            "DEDUPE_BROKER_URL": kafka.with_options(group_url, **url_options),
+            "DEDUPE_STATS_INTERVAL_S": "1",
+            "CRASHY_CHANNEL": channel,
+            "CRASHY_LEASE_S": str(lease_s),
+            "PYTHONPATH": str(ROOT),
+        }
+        log = open(tmp_path / f"worker-{len(procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [*CLI, "run", "tests.apps.crashy:app", "--concurrency", "8", *extra],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start  # type: ignore[misc]
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+async def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
+    return await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s)
+
+
+def payload(n: int, **extra: object) -> bytes:
+    return json.dumps({"n": n, **extra}).encode()
+
+
+def final_stats(log: Path) -> dict[str, object]:
+    """The counters a worker logs when it stops."""
+    lines = [line for line in log.read_text().splitlines() if "stopped;" in line]
+    assert lines, log.read_text()[-2000:]
+    stats: dict[str, object] = json.loads(lines[-1][lines[-1].index("{") :])
+    return stats
+
+
+async def test_kill_9_mid_batch_and_restart_loses_nothing_and_runs_each_key_once(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    group_url: str,
+    channel: str,
+    effects: asyncpg.Connection,
+) -> None:
+    """Two workers in one group, one SIGKILLed mid-stream and restarted: each key's effect once,
+    and the group's committed offsets reach the end."""
+    unique = 400
+    messages = [(payload(i, sleep_s=0.005), {}, f"k{i}") for i in range(unique)]
+    messages += messages[: unique // 3]  # a third published twice
+    await kafka.publish(group_url, channel, messages)
+    victim = spawn(lease_s=1.0)
+    spawn(lease_s=1.0)
+
+    async def some_done() -> bool:
+        return bool(await effects.fetchval("SELECT count(*) >= 60 FROM effects"))
+
+    await eventually(some_done)
+    victim.send_signal(signal.SIGKILL)
+    assert await wait_exit(victim) == -signal.SIGKILL
+    spawn(lease_s=1.0)
+
+    async def all_done() -> int:
+        n = await effects.fetchval("SELECT count(DISTINCT key) FROM effects")
+        return bool(n == unique)
+
+    await eventually(all_done, timeout_s=90)
+    group_id = kafka.KafkaOptions.from_url(group_url).group_id
+
+    async def committed() -> bool:
+        return await kafka.backlog(group_url, channel, group_id) == 0
+
+    await eventually(committed, timeout_s=30)
+    assert await effects.fetchval("SELECT count(*) FROM effects") == unique
+    assert (
+        await effects.fetchval("SELECT count(*) FROM dedupe_claims WHERE status = 'completed'")
+        == unique
+    )
+
+
+async def test_a_crash_after_completion_but_before_the_offset_commit_yields_acked_duplicates(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    group_url: str,
+    channel: str,
+    effects: asyncpg.Connection,
+    tmp_path: Path,
+) -> None:
+    """Outcomes recorded, offsets not committed, worker killed: the next worker reads every
+    message again and acknowledges each as a duplicate without running the handler."""
+    count = 50
+    await kafka.publish(group_url, channel, [(payload(i), {}, f"k{i}") for i in range(count)])
+    group_id = kafka.KafkaOptions.from_url(group_url).group_id
+    crasher = spawn(commit_interval_s=3600)  # it would commit only on revocation or shutdown
+
+    async def all_completed() -> bool:
+        return bool(
+            await effects.fetchval(
+                "SELECT count(*) = $1 FROM dedupe_claims WHERE status = 'completed'", count
+            )
+        )
+
+    await eventually(all_completed)
+    assert await kafka.backlog(group_url, channel, group_id) == count  # nothing committed
+    crasher.send_signal(signal.SIGKILL)
+    assert await wait_exit(crasher) == -signal.SIGKILL
+
+    successor = spawn()
+
+    async def committed() -> bool:
+        return await kafka.backlog(group_url, channel, group_id) == 0
+
+    await eventually(committed, timeout_s=60)
+    successor.send_signal(signal.SIGTERM)
+    assert await wait_exit(successor) == 0
+    stats = final_stats(tmp_path / "worker-1.log")
+    assert (stats["completed"], stats["duplicates"]) == (0, count)
+    assert await effects.fetchval("SELECT count(*) FROM effects") == count
+
+
+async def test_sigterm_finishes_in_flight_work_commits_it_and_leaves_the_group(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    group_url: str,
+    channel: str,
+    effects: asyncpg.Connection,
+    tmp_path: Path,
+) -> None:
+    """On SIGTERM the worker completes what it runs, commits those offsets, and exits 0."""
+    await kafka.publish(
+        group_url, channel, [(payload(i, sleep_s=1.0), {}, f"k{i}") for i in range(4)]
+    )
+    group_id = kafka.KafkaOptions.from_url(group_url).group_id
+    worker = spawn("--shutdown-timeout-s", "10", commit_interval_s=3600)
+
+    async def started() -> bool:
+        return bool(
+            await effects.fetchval(
+                "SELECT count(*) > 0 FROM dedupe_claims WHERE status = 'in_progress'"
+            )
+        )
+
+    await eventually(started)
+    worker.send_signal(signal.SIGTERM)
+    assert await wait_exit(worker) == 0
+    finished = await effects.fetchval("SELECT count(*) FROM effects")
+    assert finished >= 1
+    assert (
+        await effects.fetchval("SELECT count(*) FROM dedupe_claims WHERE status = 'in_progress'")
+        == 0
+    )
+    # The shutdown commit covers exactly what finished (the partitions run independently).
+    assert await kafka.backlog(group_url, channel, group_id) == 4 - finished
+    assert "SIGTERM received" in (tmp_path / "worker-0.log").read_text()
