@@ -1,0 +1,75 @@
+"""The Kafka side of `make demo BROKER=kafka` (scripts/demo.py drives it).
+
+The workers run with the default consumer group of the payments app (`dedupe-shop`); a reset
+deletes the records left in the topics by an earlier run, so a fresh database never sees them
+(the group then resumes from the new start of the log).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
+from aiokafka.structs import TopicPartition
+
+from consumers import kafka
+from dedupe.transport import dlq_name
+from handlers.payments import app
+
+
+class Kafka:
+    """A channel on Kafka as the demo sees it: reset, publish, dead letters, backlog."""
+
+    name = "Kafka"
+
+    def __init__(self, url: str, channel: str) -> None:
+        self.url = url
+        self.channel = channel
+        self.options = kafka.KafkaOptions.from_url(url)
+        self.group_id = kafka.group_id_for(app.name)
+
+    async def reset(self) -> None:
+        """Create the topics if needed and delete every record an earlier run left in them."""
+        topics = [self.channel, dlq_name(self.channel)]
+        await kafka.ensure_topics(self.options, topics)
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.options.bootstrap_servers)
+        await admin.start()
+        try:
+            described = await admin.describe_topics(topics)
+            tps = [
+                TopicPartition(topic["topic"], p["partition"])
+                for topic in described
+                for p in topic["partitions"]
+            ]
+            ends = await _end_offsets(self.options, tps)
+            await admin.delete_records(
+                {tp: RecordsToDelete(before_offset=end) for tp, end in ends.items() if end}
+            )
+        finally:
+            await admin.close()
+
+    async def publish(self, messages: list[tuple[bytes, dict[str, Any], str | None]]) -> None:
+        await kafka.publish(self.url, self.channel, messages)
+
+    async def dead_letters(self) -> Counter[str]:
+        letters = await kafka.peek_dead_letters(self.url, self.channel, limit=1000)
+        return Counter(str(letter["reason"]) for letter in letters)
+
+    async def backlog(self) -> int:
+        """Records the workers' group has not committed past yet."""
+        return await kafka.backlog(self.url, self.channel, self.group_id)
+
+
+async def _end_offsets(
+    options: kafka.KafkaOptions, tps: list[TopicPartition]
+) -> dict[TopicPartition, int]:
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=options.bootstrap_servers)
+    await consumer.start()
+    try:
+        ends: dict[TopicPartition, int] = await consumer.end_offsets(tps)
+        return ends
+    finally:
+        await consumer.stop()
