@@ -31,13 +31,14 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from consumers import rabbitmq
+from consumers.kafka import KafkaPublisher, KafkaTransport
 from consumers.rabbitmq import RabbitMQPublisher, RabbitMQTransport
 from consumers.receiver import create_receiver
 from dedupe import App
 from dedupe.store import ClaimRequest, ClaimStore
 from dedupe.webhooks import env, github
 from handlers.webhooks import make_app, setup
-from tests.conftest import ROOT, eventually, running
+from tests.conftest import KAFKA_URL, ROOT, eventually, running
 
 GH_SECRET = "gh-secret-7f3a9c1e"
 STRIPE_SECRET = "whsec_stripe-secret-5b2d8e"
@@ -620,6 +621,46 @@ async def test_provider_retries_with_fresh_signatures_give_one_handler_side_effe
         ("billing/msg_e2e", "billing", "invoice.paid"),
         ("stripe/evt_e2e", "stripe", "charge.succeeded"),
     ]
+
+
+async def test_the_receiver_publishes_to_kafka_with_the_same_guarantees(
+    hooks: App, store: ClaimStore, db_url: str, db: asyncpg.Connection, channel: str
+) -> None:
+    """kafka://: three Stripe retries publish once (acks=all), and the worker on Kafka runs
+    the handler once, a raw duplicate of the record included."""
+    await setup(db_url)
+    url = f"{KAFKA_URL}?group_id={channel}"
+    body = json.dumps({"id": "evt_kafka", "type": "charge.succeeded"}).encode()
+    publisher = KafkaPublisher(url)
+    try:
+        receiver = create_receiver(hooks, store=store, publisher=publisher)
+        transport = httpx.ASGITransport(app=receiver)
+        async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+            now = time.time()
+            replies = [
+                await http.post(
+                    "/webhooks/stripe", content=body, headers=stripe_request(body, at=now - i)
+                )
+                for i in range(3)
+            ]
+            assert [r.status_code for r in replies] == [202, 202, 202]
+            assert [r.headers.get("idempotent-replayed") for r in replies] == [None, "true", "true"]
+            assert (await http.get("/readyz")).status_code == 200
+        # What a receiver that crashed before storing its reply would publish again.
+        await publisher.publish(
+            hooks.webhooks["stripe"].channel, body, message_id="stripe/evt_kafka", headers={}
+        )
+    finally:
+        await publisher.close()
+
+    async with running(hooks, store, KafkaTransport(url)) as worker:
+
+        async def settled() -> bool:
+            return worker.stats.completed == 1 and worker.stats.duplicates == 1
+
+        await eventually(settled, timeout_s=60)
+    rows = await db.fetch("SELECT message_id, kind FROM webhook_events")
+    assert [tuple(r) for r in rows] == [("stripe/evt_kafka", "charge.succeeded")]
 
 
 async def test_logs_hold_no_secret_no_signature_and_no_body(
