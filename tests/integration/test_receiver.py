@@ -366,6 +366,25 @@ async def test_an_unreachable_broker_gives_503_and_an_unready_readyz(
     await dead.close()
 
 
+async def test_a_postgresql_outage_is_a_503_never_a_500(
+    hooks: App, db_url: str, publisher: CountingPublisher
+) -> None:
+    """The claim store going away is an outage of ours: 503 + Retry-After, nothing published."""
+    async with ClaimStore.open(db_url, owner="doomed") as doomed:
+        receiver = create_receiver(hooks, store=doomed, publisher=publisher)
+    # The pool is closed now, as after losing the database.
+    transport = httpx.ASGITransport(app=receiver)
+    async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
+        body = b'{"n":1}'
+        response = await http.post("/webhooks/orders", content=body, headers=orders_request("k"))
+        assert_problem(response, 503, "store-unavailable")
+        assert response.headers["retry-after"]
+        ready = await http.get("/readyz")
+        assert_problem(ready, 503, "not-ready")
+        assert ready.json()["checks"]["postgresql"] == "unavailable"
+    assert publisher.published == []
+
+
 async def test_readyz_checks_postgresql_and_the_broker(client: httpx.AsyncClient) -> None:
     """Both reachable: 200 with each check named."""
     ready = await client.get("/readyz")
