@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 export DEDUPE_DATABASE_URL ?= postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe
 
-.PHONY: help install services services-down services-status demo test test-unit lint format clean
+.PHONY: help install services services-down services-status demo test test-unit chaos lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -39,6 +39,13 @@ test: install services  ## run the whole test suite against the real services
 
 test-unit: install  ## only the tests that need no service
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+chaos: install services  ## the large chaos run: N=100,000 messages, 50 faults per scenario (long)
+	rm -f .services/chaos-report.md
+	CHAOS_N=$${CHAOS_N:-100000} CHAOS_FAULTS=$${CHAOS_FAULTS:-50} \
+	CHAOS_REPORT=$(CURDIR)/.services/chaos-report.md \
+	$(BIN)/python -m pytest tests/chaos -q --timeout=0 $(PYTEST_ARGS)
+	@echo; echo "table rows (.services/chaos-report.md):"; cat .services/chaos-report.md
 
 lint: install  ## ruff format check, ruff lint, mypy --strict
 	$(BIN)/ruff format --check .

@@ -1,0 +1,103 @@
+"""The chaos suite's app: one database effect (through ctx.db) and one call to a stand-in
+external service per key, plus a test hook that SIGKILLs the worker at a failpoint.
+
+Test-only configuration, read when the module is imported by a worker process:
+  CHAOS_CHANNEL      the channel (each scenario has its own)
+  CHAOS_LEASE_S      the handler's lease
+  CHAOS_FAILPOINT    claimed | handled | completed: where the hook may kill the worker
+  CHAOS_FAILPOINT_P  the probability of a kill at each pass (default 0.02)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import asyncpg
+from pydantic import BaseModel
+
+from dedupe import App, Context, Message
+
+app = App("chaos")
+
+
+class Work(BaseModel):
+    id: str
+    v: int
+    poison: bool = False
+    sleep_s: float = 0.0
+
+
+class PoisonError(Exception):
+    """This message always fails."""
+
+
+class ExternalService:
+    """Records every call with the idempotency key it was given, outside our transaction."""
+
+    def __init__(self) -> None:
+        self._pool: asyncpg.Pool | None = None
+        self._lock = asyncio.Lock()
+
+    async def call(self, *, idempotency_key: str, business_key: str) -> None:
+        async with self._lock:
+            if self._pool is None:
+                self._pool = await asyncpg.create_pool(
+                    os.environ["DEDUPE_DATABASE_URL"], min_size=1, max_size=4
+                )
+        assert self._pool is not None
+        await self._pool.execute(
+            "INSERT INTO chaos_external (business_key, idempotency_key, pid) VALUES ($1, $2, $3)",
+            business_key,
+            idempotency_key,
+            os.getpid(),
+        )
+
+
+external = ExternalService()
+
+
+@app.handler(
+    os.environ.get("CHAOS_CHANNEL", "chaos"),
+    lease_s=float(os.environ.get("CHAOS_LEASE_S", "2")),
+    max_attempts=5,
+    backoff_s=0.05,
+    max_backoff_s=0.2,
+)
+async def work(payload: Work, ctx: Context) -> int:
+    if payload.poison:
+        raise PoisonError(f"{payload.id} always fails")
+    await asyncio.sleep(payload.sleep_s)
+    await external.call(idempotency_key=ctx.key, business_key=payload.id)
+    await ctx.db.execute(
+        "INSERT INTO chaos_effects (business_key, v, pid) VALUES ($1, $2, $3)",
+        payload.id,
+        payload.v,
+        os.getpid(),
+    )
+    return payload.v
+
+
+_FAILPOINT = os.environ.get("CHAOS_FAILPOINT")
+_PROBABILITY = float(os.environ.get("CHAOS_FAILPOINT_P", "0.02"))
+
+if _FAILPOINT:
+
+    @app.hook(_FAILPOINT)
+    async def failpoint(stage: str, message: Message, scope: str, key: str) -> None:
+        if random.random() < _PROBABILITY:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS chaos_effects (
+    business_key text NOT NULL, v int NOT NULL, pid int NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS chaos_external (
+    business_key text NOT NULL, idempotency_key text NOT NULL, pid int NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+"""

@@ -1,0 +1,156 @@
+"""Faults, injected at progress milestones so that they spread over the whole run."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from tests.chaos.harness import Probe, Workers, Workload
+
+PG_CLUSTER = ["15", "main"]
+
+
+@dataclass
+class Run:
+    """What a fault needs: the workers, a probe, the workload and how many faults to inject."""
+
+    workers: Workers
+    probe: Probe
+    workload: Workload
+    faults: int
+    lease_s: float
+    worker_count: int = 2
+    timeout_s: float = 600.0
+    unexpected_exits: int = 0
+
+    async def milestones(self) -> AsyncIterator[int]:
+        """Yield i = 0..faults-1 when (i + 1) / (faults + 1) of the keys are settled."""
+        deadline = time.monotonic() + self.timeout_s
+        for i in range(self.faults):
+            target = self.workload.n * (i + 1) // (self.faults + 1)
+            while await self.probe.settled() < target:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"no progress to milestone {i} within {self.timeout_s}s")
+                self.keep_workers()
+                await asyncio.sleep(0.05)
+            yield i
+
+    def keep_workers(self, **env: str) -> None:
+        """Restart workers that died without being told to (and count them)."""
+        for proc in self.workers.reap():
+            if proc.returncode not in (-signal.SIGKILL,):
+                self.unexpected_exits += 1
+        while len(self.workers.alive) < self.worker_count:
+            self.workers.start(**env)
+
+
+Fault = Callable[[Run], Awaitable[int]]
+
+
+async def kill_at_random(run: Run) -> int:
+    """kill -9 a random worker at each milestone, then start a new one."""
+    kills = 0
+    async for _ in run.milestones():
+        victim = random.choice(run.workers.alive)
+        await asyncio.sleep(random.uniform(0, 0.3))  # a random moment, not a quiet one
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
+        kills += 1
+        run.keep_workers()
+    return kills
+
+
+def kill_at_failpoint(stage: str) -> Fault:
+    """Workers SIGKILL themselves at `stage` with a small probability; restart until enough."""
+
+    async def inject(run: Run) -> int:
+        probability = min(0.05, 3 * run.faults / max(run.workload.n, 1))
+        armed = {"CHAOS_FAILPOINT": stage, "CHAOS_FAILPOINT_P": f"{probability:.5f}"}
+        kills = 0
+        deadline = time.monotonic() + run.timeout_s
+        while kills < run.faults and time.monotonic() < deadline:
+            for proc in run.workers.reap():
+                if proc.returncode == -signal.SIGKILL:
+                    kills += 1
+                else:
+                    run.unexpected_exits += 1
+            if await run.probe.settled() >= run.workload.n:
+                break
+            env = armed if kills < run.faults else {}
+            while len(run.workers.alive) < run.worker_count:
+                run.workers.start(**env)
+            await asyncio.sleep(0.05)
+        # Enough: replace the armed workers by unarmed ones.
+        for proc in run.workers.alive:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(proc.wait, 30)
+        for proc in run.workers.reap():
+            if proc.returncode == -signal.SIGKILL:
+                kills += 1
+        run.keep_workers()
+        return kills
+
+    return inject
+
+
+async def freeze_past_the_lease(run: Run) -> int:
+    """SIGSTOP a worker for 2.5 leases, then SIGCONT: its completions must be fenced off."""
+    freezes = 0
+    async for _ in run.milestones():
+        victim = random.choice(run.workers.alive)
+        victim.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(run.lease_s * 2.5)
+        victim.send_signal(signal.SIGCONT)
+        freezes += 1
+    return freezes
+
+
+def _command(*argv: str) -> Callable[[], Awaitable[None]]:
+    async def execute() -> None:
+        await asyncio.to_thread(
+            subprocess.run, list(argv), check=True, timeout=120, capture_output=True
+        )
+
+    return execute
+
+
+async def restart_rabbitmq(run: Run) -> int:
+    """Stop and start the RabbitMQ application under the workers."""
+    restarts = 0
+    async for _ in run.milestones():
+        await _command("rabbitmqctl", "-q", "stop_app")()
+        await asyncio.sleep(1.0)
+        await _command("rabbitmqctl", "-q", "start_app")()
+        await _command("rabbitmqctl", "-q", "await_startup")()
+        restarts += 1
+    return restarts
+
+
+async def restart_postgres(run: Run) -> int:
+    """Restart PostgreSQL (fast shutdown: every session is cut) under the workers."""
+    restarts = 0
+    async for _ in run.milestones():
+        await _command(
+            "pg_ctlcluster", "--skip-systemctl-redirect", *PG_CLUSTER, "restart", "-m", "fast"
+        )()
+        restarts += 1
+    return restarts
+
+
+async def terminate_backends(run: Run) -> int:
+    """pg_terminate_backend every worker session, in the middle of their commits."""
+    rounds = 0
+    async for _ in run.milestones():
+        for _ in range(3):
+            await run.probe.fetch(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = 'dedupe-worker'"
+            )
+            await asyncio.sleep(0.1)
+        rounds += 1
+    return rounds

@@ -1,0 +1,276 @@
+"""The chaos harness: a recorded workload, real worker processes, faults, and the invariants.
+
+History: every confirmed publish (the workload, published with confirms), every database side
+effect (`chaos_effects`, written through ctx.db), every call to the stand-in external service
+with the idempotency key it was given (`chaos_external`), every dead letter (the broker's DLQ).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+Messages = list[tuple[bytes, dict[str, Any], str | None]]
+
+
+@dataclass
+class Workload:
+    """N logical messages: 30 % published twice, 5 % three to five times, 1 % also under the
+    same key with another payload, 0.5 % poison (always fail)."""
+
+    n: int
+    seed: int = 1
+    messages: Messages = field(default_factory=list)
+    normal: set[str] = field(default_factory=set)
+    conflicts: set[str] = field(default_factory=set)
+    poison: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        n_poison = max(1, self.n // 200)
+        n_conflict = max(1, self.n // 100)
+        keys = [f"m{i:07d}" for i in range(self.n)]
+        self.poison = set(keys[:n_poison])
+        self.normal = set(keys[n_poison:])
+        copies: dict[str, int] = {}
+        for key in keys[n_poison:]:
+            roll = rng.random()
+            copies[key] = 2 if roll < 0.30 else rng.randint(3, 5) if roll < 0.35 else 1
+        # Conflicts among keys published once, so each yields one completion and one dead letter.
+        singles = [key for key, count in copies.items() if count == 1]
+        self.conflicts = set(rng.sample(singles, n_conflict))
+        for i, key in enumerate(keys):
+            body = {"id": key, "v": i, "poison": key in self.poison}
+            for _ in range(copies.get(key, 1)):
+                self.messages.append((json.dumps(body).encode(), {}, key))
+        rng.shuffle(self.messages)
+        for key in sorted(self.conflicts):  # the other payload arrives later
+            other = {"id": key, "v": 1_000_000 + int(key[1:])}
+            self.messages.append((json.dumps(other).encode(), {}, key))
+
+    @property
+    def duplicates(self) -> int:
+        return len(self.messages) - self.n
+
+
+class Workers:
+    """Real `dedupe-worker run tests.apps.chaos:app` processes."""
+
+    def __init__(self, env: dict[str, str], logs: Path, *, concurrency: int = 16) -> None:
+        self.env = env
+        self.logs = logs
+        self.concurrency = concurrency
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.started = 0
+        logs.mkdir(parents=True, exist_ok=True)
+
+    def start(self, **extra_env: str) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"worker-{self.started}.log", "wb")  # noqa: SIM115
+        self.started += 1
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dedupe.cli",
+                "run",
+                "tests.apps.chaos:app",
+                "--concurrency",
+                str(self.concurrency),
+                "--shutdown-timeout-s",
+                "5",
+            ],
+            cwd=ROOT,
+            env={**os.environ, **self.env, **extra_env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        return proc
+
+    @property
+    def alive(self) -> list[subprocess.Popen[bytes]]:
+        return [proc for proc in self.procs if proc.poll() is None]
+
+    def reap(self) -> list[subprocess.Popen[bytes]]:
+        """Forget the processes that died; return them."""
+        dead = [proc for proc in self.procs if proc.poll() is not None]
+        self.procs = [proc for proc in self.procs if proc.poll() is None]
+        return dead
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+class Probe:
+    """Reads the database with a fresh, retried connection: it must survive PostgreSQL restarts."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        last: Exception | None = None
+        for _ in range(60):
+            try:
+                conn = await asyncpg.connect(self.url, timeout=5)
+                try:
+                    return list(await conn.fetch(query, *args))
+                finally:
+                    await conn.close()
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                last = exc
+                await asyncio.sleep(0.5)
+        raise AssertionError(f"the database stayed unreachable: {last}")
+
+    async def value(self, query: str, *args: Any) -> Any:
+        rows = await self.fetch(query, *args)
+        return rows[0][0] if rows else None
+
+    async def settled(self) -> int:
+        """Keys with a final outcome (completed or failed)."""
+        return int(
+            await self.value("SELECT count(*) FROM dedupe_claims WHERE status <> 'in_progress'")
+        )
+
+
+@dataclass
+class Report:
+    """One scenario's row in RELIABILITY.md."""
+
+    scenario: str
+    messages: int
+    duplicates: int
+    faults: int
+    lost: int
+    duplicated_effects: int
+    external_keys_differing: int
+    drain_s: float
+    total_s: float
+    problems: list[str]
+
+    def row(self) -> str:
+        verdict = "pass" if not self.problems else "FAIL"
+        return (
+            f"| {self.scenario} | {self.messages} | {self.duplicates} | {self.faults} | "
+            f"{self.lost} | {self.duplicated_effects} | {self.external_keys_differing} | "
+            f"{self.drain_s:.1f} | {self.total_s:.1f} | {verdict} |"
+        )
+
+
+async def wait_drained(
+    probe: Probe,
+    backlog: Callable[[], Awaitable[int]],
+    workload: Workload,
+    *,
+    within_s: float,
+) -> float:
+    """Wait until every key has its outcome, nothing is in progress and the queues are empty."""
+    began = time.monotonic()
+    expected = workload.n
+    state: dict[str, Any] = {}
+    while time.monotonic() - began < within_s:
+        settled = await probe.settled()
+        in_progress = await probe.value(
+            "SELECT count(*) FROM dedupe_claims WHERE status = 'in_progress'"
+        )
+        pending = await backlog()
+        state = {
+            "settled": settled,
+            "expected": expected,
+            "in_progress": in_progress,
+            "backlog": pending,
+        }
+        if settled >= expected and in_progress == 0 and pending == 0:
+            return time.monotonic() - began
+        await asyncio.sleep(0.25)
+    stuck = await probe.fetch(
+        "SELECT key, token, attempts, owner, error, lease_until, updated_at FROM dedupe_claims"
+        " WHERE status = 'in_progress' LIMIT 5"
+    )
+    raise AssertionError(
+        f"not drained within {within_s:.0f}s of the last fault: {state}; "
+        f"stuck: {[dict(r) for r in stuck]}"
+    )
+
+
+async def check(
+    probe: Probe, dead_letters: list[dict[str, Any]], workload: Workload
+) -> tuple[list[str], dict[str, int]]:
+    """The invariants. Returns (problems, figures)."""
+    problems: list[str] = []
+    effects = {
+        r["business_key"]: r["n"]
+        for r in await probe.fetch(
+            "SELECT business_key, count(*) AS n FROM chaos_effects GROUP BY business_key"
+        )
+    }
+    doubled = {key: n for key, n in effects.items() if n > 1}
+    if doubled:
+        problems.append(f"database side effects ran twice: {sorted(doubled)[:10]}")
+    missing = workload.normal - effects.keys()
+    if missing:
+        problems.append(f"lost: no effect for {len(missing)} keys, e.g. {sorted(missing)[:10]}")
+    unexpected = effects.keys() - workload.normal
+    if unexpected:
+        problems.append(f"effects for keys that must not run: {sorted(unexpected)[:10]}")
+
+    external = {
+        r["business_key"]: (r["keys"], r["calls"])
+        for r in await probe.fetch(
+            "SELECT business_key, count(DISTINCT idempotency_key) AS keys, count(*) AS calls"
+            " FROM chaos_external GROUP BY business_key"
+        )
+    }
+    differing = {key for key, (keys, _) in external.items() if keys != 1}
+    if differing:
+        problems.append(f"external calls with differing idempotency keys: {sorted(differing)[:10]}")
+    if workload.normal - external.keys():
+        problems.append("some keys never called the external service")
+
+    statuses = dict(await probe.fetch("SELECT status, count(*) FROM dedupe_claims GROUP BY 1"))
+    if statuses.get("in_progress"):
+        problems.append(f"{statuses['in_progress']} claims still in progress")
+
+    letters = Counter(
+        (str(d.get("key") or d.get("message_id")), str(d["reason"])) for d in dead_letters
+    )
+    expected = Counter({(key, "key_conflict"): 1 for key in workload.conflicts})
+    expected.update({(key, "max_attempts_exceeded"): 1 for key in workload.poison})
+    if letters != expected:
+        extra = letters - expected
+        short = expected - letters
+        problems.append(
+            f"dead letters differ: unexpected {sorted(extra.items())[:10]}, "
+            f"missing {sorted(short.items())[:10]}"
+        )
+    figures = {
+        "lost": len(missing),
+        "duplicated_effects": sum(n - 1 for n in doubled.values()),
+        "external_keys_differing": len(differing),
+        "external_calls": sum(calls for _, calls in external.values()),
+    }
+    return problems, figures
