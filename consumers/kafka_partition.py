@@ -181,9 +181,11 @@ class PartitionWork:
     async def _run_batch(self, records: Sequence[ConsumerRecord]) -> None:
         try:
             for start in range(0, len(records), self._batch_max):
+                if self.closing:
+                    return
+                # A chunk runs to its end even when revoked meanwhile: its waves interleave by
+                # offset, and a wave left out would hold back the commit of all the others.
                 for wave in _waves(records[start : start + self._batch_max]):
-                    if self.closing:
-                        return
                     ready: list[KafkaDelivery] = []
                     for record in wave:
                         delivery = KafkaDelivery(self, record)

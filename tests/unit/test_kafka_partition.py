@@ -189,6 +189,20 @@ async def test_a_closing_partition_starts_nothing_new_and_keeps_requeued_offsets
     assert late.resumed == 0
 
 
+async def test_a_revoked_partition_finishes_the_waves_of_its_chunk_but_no_next_chunk() -> None:
+    """Waves interleave by offset: finishing the chunk lets the commit cover all of it."""
+    h = Harness(batch_max=3)
+
+    def close_after_first_call(delivery: KafkaDelivery) -> Settlement:
+        h.work.close()
+        return ACK
+
+    h.decide = close_after_first_call
+    await h.run(records("a", "a", "b", "c"))
+    assert h.calls == [[(0, 1), (2, 1)], [(1, 1)]]  # the chunk's second wave ran, offset 3 not
+    assert h.work.position() == 3
+
+
 async def test_too_many_held_messages_keep_the_partition_paused() -> None:
     h = Harness(decide=defer_first_attempt(0, 1, delay_s=0.2), max_held=2)
     await h.run(records("a", "b"))
