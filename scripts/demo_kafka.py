@@ -7,6 +7,8 @@ deletes the records left in the topics by an earlier run, so a fresh database ne
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import Counter
 from typing import Any
 
@@ -50,7 +52,26 @@ class Kafka:
             await admin.close()
 
     async def publish(self, messages: list[tuple[bytes, dict[str, Any], str | None]]) -> None:
+        """Publish once the workers share the partitions, so that the crash hits a busy one."""
+        await self._wait_for_group(members=2)
         await kafka.publish(self.url, self.channel, messages)
+
+    async def _wait_for_group(self, *, members: int, timeout_s: float = 30.0) -> None:
+        # A worker joins its group about a second after it starts; RabbitMQ consumers attach
+        # at once. Without this wait the first worker would take the whole burst alone.
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.options.bootstrap_servers)
+        await admin.start()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                [response] = await admin.describe_consumer_groups([self.group_id])
+                [group] = response.to_object()["groups"]
+                if group["state"] == "Stable" and len(group["members"]) >= members:
+                    return
+                await asyncio.sleep(0.1)
+            print(f"demo: the group {self.group_id} did not settle in {timeout_s:g}s", flush=True)
+        finally:
+            await admin.close()
 
     async def dead_letters(self) -> Counter[str]:
         letters = await kafka.peek_dead_letters(self.url, self.channel, limit=1000)
