@@ -8,7 +8,6 @@ import contextlib
 import importlib
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -247,18 +246,6 @@ async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:
             f"the webhook receiver needs its extra: pip install 'dedupe-worker[receiver]' ({exc})"
         ) from exc
     app = load_app(args.app, need="webhooks")
-    for noisy in ("aiormq", "aio_pika"):
-        # At DEBUG the AMQP client logs whole frames, bodies included: never a payload in logs.
-        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
-    host = args.host or os.environ.get("DEDUPE_RECEIVER_HOST") or "127.0.0.1"
-    try:
-        port = (
-            args.port
-            if args.port is not None
-            else int(os.environ.get("DEDUPE_RECEIVER_PORT", "8080"))
-        )
-    except ValueError as exc:
-        raise UsageError("DEDUPE_RECEIVER_PORT must be a port number") from exc
     for source in app.webhooks.values():
         try:
             source.verify.check()  # a missing secret stops us here, not at the first request
@@ -278,8 +265,8 @@ async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:
         )
         config = uvicorn.Config(
             asgi,
-            host=host,
-            port=port,
+            host=settings.receiver_host,
+            port=settings.receiver_port,
             lifespan="on",
             log_config=None,  # our logging.basicConfig, not uvicorn's
             access_log=False,  # per-request lines at DEBUG come from the receiver
@@ -544,8 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     receive.add_argument("app", metavar="MODULE:APP", help="e.g. handlers.webhooks:app")
     _common(receive, broker=True)
-    receive.add_argument("--host", help="address to listen on [DEDUPE_RECEIVER_HOST; 127.0.0.1]")
-    receive.add_argument("--port", type=int, help="port [DEDUPE_RECEIVER_PORT; 8080]")
+    receive.add_argument(
+        "--host",
+        dest="receiver_host",
+        help="address to listen on [DEDUPE_RECEIVER_HOST; 127.0.0.1]",
+    )
+    receive.add_argument(
+        "--port", dest="receiver_port", type=int, help="port [DEDUPE_RECEIVER_PORT; 8080]"
+    )
     receive.add_argument(
         "--pool-size", type=int, default=20, help="PostgreSQL connections (default 20)"
     )
@@ -609,6 +602,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for noisy in ("aiormq", "aio_pika", "aiokafka"):
+        # At DEBUG the broker clients log whole frames, bodies included: never a payload in logs.
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
     try:
         with contextlib.suppress(KeyboardInterrupt):
             return int(asyncio.run(args.handler(args, settings)))

@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     stats_interval_s: float = Field(10.0, ge=0)
     worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     log_level: str = "INFO"
+    receiver_host: str = "127.0.0.1"
+    receiver_port: int = Field(8080, ge=1, le=65_535)
 
     @field_validator("log_level")
     @classmethod
