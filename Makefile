@@ -34,8 +34,8 @@ services-status:  ## show which local services are up
 demo: install services  ## the main job end to end: duplicates, a crash, a summary (BROKER=rabbitmq|kafka)
 	$(BIN)/python scripts/demo.py --broker $(BROKER)
 
-test: install services  ## run the whole test suite against the real services
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+test: install services  ## run the whole test suite against the real services (restarts them too)
+	DEDUPE_CHAOS_RESTARTS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: install  ## only the tests that need no service
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -73,9 +73,9 @@ class KafkaDelivery:
     def offset(self) -> int:
         return int(self.record.offset)
 
-    async def settle(self, settlement: Settlement) -> None:
+    async def settle(self, settlement: Settlement) -> bool:
         self.settled = True
-        await self.partition.settle(self, settlement)
+        return await self.partition.settle(self, settlement)
 
 
 def _chain_key(record: ConsumerRecord) -> object:
@@ -211,18 +211,23 @@ class PartitionWork:
 
     # -- outcomes -------------------------------------------------------------------------
 
-    async def settle(self, delivery: KafkaDelivery, settlement: Settlement) -> None:
+    async def settle(self, delivery: KafkaDelivery, settlement: Settlement) -> bool:
+        """True when the outcome is final here (acked, or dead letter confirmed)."""
         if settlement.action is Action.ACK:
             self._final(delivery)
-        elif settlement.action is Action.DEAD_LETTER:
+            return True
+        if settlement.action is Action.DEAD_LETTER:
             # Done only once the dead letter is on the broker; otherwise the offset stays.
             if await self._dead_letter(delivery.record, settlement):
                 self._final(delivery)
-        elif self.closing:
+                return True
+            return False
+        if self.closing:
             # Stopping or revoked: not committed past, so the next owner reads it again.
             logger.debug("%s offset %d left to the next owner", self.tp, delivery.offset)
         else:
             self._hold(delivery, settlement.delay_s)
+        return False
 
     def _final(self, delivery: KafkaDelivery) -> None:
         chain = self.held.get(_chain_key(delivery.record))

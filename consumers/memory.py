@@ -25,9 +25,10 @@ class MemoryDelivery:
     settlements: list[Settlement] = field(default_factory=list)
     settled: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def settle(self, settlement: Settlement) -> None:
+    async def settle(self, settlement: Settlement) -> bool:
         self.settlements.append(settlement)
         self.settled.set()
+        return True
 
     @property
     def outcome(self) -> Settlement | None:

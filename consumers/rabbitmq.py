@@ -126,9 +126,10 @@ class RabbitDelivery:
             )
         return self._message
 
-    async def settle(self, settlement: Settlement) -> None:
+    async def settle(self, settlement: Settlement) -> bool:
         try:
             await self.transport.settle(self, settlement)
+            return True
         except Exception as exc:
             # The connection went away: the broker redelivers the message, and the claim
             # table turns that redelivery into a duplicate (or a take-over after the lease).
@@ -137,6 +138,7 @@ class RabbitDelivery:
                 self.channel,
                 exc,
             )
+            return False
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -81,14 +81,23 @@ def encode_result(value: Any) -> str:
         return pydantic_core.to_json(repr(value)).decode()
 
 
-def _dead_letter(reason: Reason, detail: str, fence: Fence | Claim | None = None) -> Settlement:
+def _dead_letter(
+    reason: Reason, detail: str, fence: Fence | Claim | None = None, *, failed_claim: bool = False
+) -> Settlement:
     return Settlement(
         Action.DEAD_LETTER,
         reason=reason,
         detail=detail[:500],
         scope=fence.scope if fence else None,
         key=fence.key if fence else None,
+        failed_claim=failed_claim,
     )
+
+
+def _reason_of(error: str | None) -> Reason:
+    """The reason a failed claim recorded (its error starts with it)."""
+    prefix = (error or "").split(":", 1)[0]
+    return Reason(prefix) if prefix in Reason.__members__.values() else Reason.HANDLER_ERROR
 
 
 class Processor:
@@ -202,7 +211,23 @@ class Processor:
             self.stats.deferred += 1
         elif settlement.action is Action.REQUEUE:
             self.stats.requeued += 1
-        await delivery.settle(settlement)
+        try:
+            settled = await delivery.settle(settlement)
+        except Exception:
+            logger.exception("could not settle a message; the broker will deliver it again")
+            return
+        if settled and settlement.action is Action.DEAD_LETTER:
+            failed = [
+                (s.scope, s.key)
+                for s in settlements
+                if s.failed_claim and s.scope is not None and s.key is not None
+            ]
+            if failed:
+                try:
+                    await self.store.mark_dead_lettered(failed)
+                except StoreError as exc:
+                    # Harmless: a later copy of the message is dead-lettered once more.
+                    logger.warning("could not record dead letters as sent: %s", exc)
 
     async def _plan(
         self, handler: Handler, messages: Sequence[Message]
@@ -299,6 +324,11 @@ class Processor:
                 f"key {claim.key!r} was first used with another payload (status {claim.status})",
                 claim,
             )
+        if claim.status == "failed" and not claim.dead_lettered:
+            # The worker that failed this key died before its dead letter was confirmed: send it
+            # again (at least once: the dead-letter queue may then hold it twice).
+            detail = (claim.error or "").split(": ", 1)[-1]
+            return _dead_letter(_reason_of(claim.error), detail, claim, failed_claim=True)
         if claim.status in ("completed", "failed"):
             self.stats.duplicates += 1
             return Settlement(Action.ACK, duplicate=True, result=claim.result)
@@ -508,7 +538,7 @@ class Processor:
         if not recorded:  # another worker owns the key now; let its outcome decide
             self.stats.lease_lost += 1
             return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
-        return _dead_letter(reason, detail, fence)
+        return _dead_letter(reason, detail, fence, failed_claim=True)
 
     async def _give_back(self, fence: Fence) -> None:
         try:

@@ -71,6 +71,7 @@ class Claim:
     lease_live: bool | None = None
     result: str | None = None
     error: str | None = None
+    dead_lettered: bool | None = None
 
     @property
     def owned(self) -> bool:
@@ -168,6 +169,7 @@ class ClaimStore:
                 lease_live=row["lease_live"],
                 result=row["result"],
                 error=row["error"],
+                dead_lettered=row["dead_lettered"],
             )
             for row in rows
         }
@@ -221,6 +223,13 @@ class ClaimStore:
             "fail", fence.scope, fence.key, fence.token, error, float(retention_s)
         )
         return bool(rows)
+
+    async def mark_dead_lettered(self, keys: Sequence[tuple[str, str]]) -> None:
+        """Record that the dead letters of these failed (scope, key)s were confirmed."""
+        if keys:
+            await self._fetch(
+                "mark_dead_lettered", [scope for scope, _ in keys], [key for _, key in keys]
+            )
 
     async def give_back(self, fence: Fence) -> bool:
         """Release our lease at once (graceful shutdown)."""

@@ -41,6 +41,9 @@ class Settlement:
     result: str | None = None  # the stored outcome (JSON), for transports with a reply path
     scope: str | None = None  # the claim concerned, carried into dead-letter headers
     key: str | None = None
+    # A dead letter of our own failed claim (not a conflict with someone else's): once the
+    # transport has settled it, the claim records that its dead letter went out.
+    failed_claim: bool = False
 
 
 ACK = Settlement(Action.ACK)
@@ -77,7 +80,9 @@ class Delivery(Protocol):
     @property
     def message(self) -> Message: ...
 
-    async def settle(self, settlement: Settlement) -> None: ...
+    async def settle(self, settlement: Settlement) -> bool:
+        """Carry out the settlement; True once the broker has it (a dead letter confirmed)."""
+        ...
 
 
 Process = Callable[[str, Sequence[Delivery]], Coroutine[Any, Any, None]]

@@ -31,7 +31,7 @@ claimed AS (
 SELECT i.scope, i.key, cl.token, cl.attempts,
        e.status, e.payload_hash = i.payload_hash AS same_payload,
        e.lease_until > now() AS lease_live, e.result::text AS result, e.error,
-       e.attempts AS existing_attempts
+       e.attempts AS existing_attempts, e.dead_lettered_at IS NOT NULL AS dead_lettered
 FROM input i
 LEFT JOIN claimed cl ON cl.scope = i.scope AND cl.key = i.key
 LEFT JOIN dedupe_claims e ON cl.token IS NULL AND e.scope = i.scope AND e.key = i.key;
@@ -71,9 +71,17 @@ RETURNING attempts;
 -- Repeating it finds our own failure and answers the same.
 UPDATE dedupe_claims
    SET status = 'failed', retryable = false, error = $4, lease_until = NULL, updated_at = now(),
-       expires_at = now() + make_interval(secs => $5)
+       expires_at = now() + make_interval(secs => $5), dead_lettered_at = NULL
  WHERE scope = $1 AND key = $2 AND token = $3 AND status IN ('in_progress', 'failed')
 RETURNING 1;
+
+-- name: mark_dead_lettered
+-- The broker confirmed the dead letters of these failed keys.
+UPDATE dedupe_claims AS c
+   SET dead_lettered_at = now()
+  FROM unnest($1::text[], $2::text[]) AS i(scope, key)
+ WHERE c.scope = i.scope AND c.key = i.key AND c.status = 'failed'
+   AND c.dead_lettered_at IS NULL;
 
 -- name: give_back
 -- Graceful shutdown: hand the key back at once and do not count the interrupted attempt.

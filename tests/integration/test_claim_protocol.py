@@ -447,3 +447,24 @@ def test_hooks_are_validated_at_registration() -> None:
         app.hook("after_lunch")
     with pytest.raises(ConfigurationError, match="async def"):
         app.hook("claimed")(lambda *args: None)  # type: ignore[arg-type,return-value]
+
+
+async def test_a_failure_whose_dead_letter_never_went_out_is_dead_lettered_again(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A worker died between failing a key and its dead letter: the next copy is dead-lettered
+    (not acked as a duplicate); once a dead letter is confirmed, later copies are acked."""
+    app = counting_app([])
+    request = ClaimRequest("t.work", "k", job("k").message.payload_hash)
+    [claim] = await store.claim_batch([request], lease_s=5, retention_s=3600)
+    fence = Fence(claim.scope, claim.key, claim.token or 0)
+    assert await store.fail(fence, error="max_attempts_exceeded: 5 attempts", retention_s=3600)
+    async with Processor(app, store) as processor:
+        again = job("k")
+        assert await process(processor, again) == [Action.DEAD_LETTER]
+        outcome = again.settlements[-1]
+        assert (outcome.reason, outcome.detail) == (Reason.MAX_ATTEMPTS, "5 attempts")
+        assert await db.fetchval("SELECT dead_lettered_at IS NOT NULL FROM dedupe_claims")
+        later = job("k")
+        assert await process(processor, later) == [Action.ACK]
+        assert later.settlements[-1].duplicate
