@@ -1,0 +1,9 @@
+"""`python -m dedupe.cli`: the same as the `dedupe-worker` command."""
+
+from __future__ import annotations
+
+import sys
+
+from . import main
+
+sys.exit(main())
