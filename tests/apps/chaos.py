@@ -19,8 +19,16 @@ import asyncpg
 from pydantic import BaseModel
 
 from dedupe import App, Context, Message
+from dedupe.webhooks import api_key
 
 app = App("chaos")
+CHANNEL = os.environ.get("CHAOS_CHANNEL", "chaos")
+LEASE_S = float(os.environ.get("CHAOS_LEASE_S", "2"))
+API_KEY = "chaos-api-key"  # the receiver scenario's sender authenticates with it
+
+# The receiver scenario: POST /webhooks/chaos with Idempotency-Key, forwarded to the channel.
+# The receiver's lease must outlast its publish timeout (5 s).
+app.webhook("chaos", verify=api_key({API_KEY: "t1"}), channel=CHANNEL, lease_s=6.0)
 
 
 class Work(BaseModel):
@@ -60,8 +68,8 @@ external = ExternalService()
 
 
 @app.handler(
-    os.environ.get("CHAOS_CHANNEL", "chaos"),
-    lease_s=float(os.environ.get("CHAOS_LEASE_S", "2")),
+    CHANNEL,
+    lease_s=LEASE_S,
     max_attempts=5,
     backoff_s=0.05,
     max_backoff_s=0.2,

@@ -99,8 +99,13 @@ async def run_scenario(
         total_s=total_s,
         problems=problems,
     )
+    await record(report)
+    return report
+
+
+async def record(report: Report) -> None:
+    """Print the scenario's table row and append it to CHAOS_REPORT, if set."""
     out = os.environ.get("CHAOS_REPORT")
     if out:
         await asyncio.to_thread(_append, Path(out), report.row() + "\n")
     print(report.row())
-    return report

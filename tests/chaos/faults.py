@@ -9,10 +9,12 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.chaos.harness import Probe, Workers, Workload
 
 PG_CLUSTER = ["15", "main"]
+SERVICES = str(Path(__file__).resolve().parents[2] / "scripts" / "services.sh")
 
 
 @dataclass
@@ -140,6 +142,36 @@ async def restart_postgres(run: Run) -> int:
         )()
         restarts += 1
     return restarts
+
+
+async def restart_kafka(run: Run) -> int:
+    """Stop the Kafka broker (SIGTERM, then its data stays) and start it again."""
+    restarts = 0
+    async for _ in run.milestones():
+        await _command("bash", SERVICES, "down", "kafka")()
+        await asyncio.sleep(1.0)
+        await _command("bash", SERVICES, "up", "kafka")()
+        restarts += 1
+    return restarts
+
+
+async def scale_consumers(run: Run) -> int:
+    """Consumers of one group scaled 1 -> 3 -> 2 during the stream (two rebalances)."""
+    run.worker_count = 1
+    run.keep_workers()
+    changes = 0
+    async for i in run.milestones():
+        if i == 0:
+            run.worker_count = 3
+            run.keep_workers()
+        else:
+            leaving = run.workers.alive[0]
+            run.worker_count = 2
+            leaving.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(leaving.wait, 60)
+            run.workers.reap()
+        changes += 1
+    return changes
 
 
 async def terminate_backends(run: Run) -> int:
