@@ -3,29 +3,18 @@ the offset commit, and a graceful stop that commits what it finished."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import signal
 import subprocess
-import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
 import pytest
 
 from consumers import kafka
-from tests.conftest import ROOT, eventually
-
-CLI = [sys.executable, "-m", "dedupe.cli"]
-
-
-@pytest.fixture
-async def effects(db: asyncpg.Connection) -> asyncpg.Connection:
-    await db.execute("CREATE TABLE effects (key text NOT NULL, n int NOT NULL, pid int)")
-    return db
+from tests.acceptance.conftest import Spawner, final_stats, payload, wait_exit
+from tests.conftest import eventually
 
 
 @pytest.fixture
@@ -38,54 +27,13 @@ def group_url(kafka_url: str) -> str:
 
 
 @pytest.fixture
-def spawn(
-    db_url: str, group_url: str, channel: str, tmp_path: Path
-) -> AsyncIterator[Callable[..., subprocess.Popen[bytes]]]:
-    """Start `dedupe-worker run tests.apps.crashy:app` on Kafka; kill leftovers at the end."""
-    procs: list[subprocess.Popen[bytes]] = []
+def spawn(spawner: Spawner, group_url: str) -> Callable[..., subprocess.Popen[bytes]]:
+    """Start a worker on Kafka in this test's group; URL options may be added per worker."""
 
     def start(*extra: str, lease_s: float = 2.0, **url_options: object) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "DEDUPE_DATABASE_URL": db_url,
-            "DEDUPE_BROKER_URL": kafka.with_options(group_url, **url_options),
-            "DEDUPE_STATS_INTERVAL_S": "1",
-            "CRASHY_CHANNEL": channel,
-            "CRASHY_LEASE_S": str(lease_s),
-            "PYTHONPATH": str(ROOT),
-        }
-        log = open(tmp_path / f"worker-{len(procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [*CLI, "run", "tests.apps.crashy:app", "--concurrency", "8", *extra],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append(proc)
-        return proc
+        return spawner.start(kafka.with_options(group_url, **url_options), *extra, lease_s=lease_s)
 
-    yield start  # type: ignore[misc]
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-async def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
-    return await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s)
-
-
-def payload(n: int, **extra: object) -> bytes:
-    return json.dumps({"n": n, **extra}).encode()
-
-
-def final_stats(log: Path) -> dict[str, object]:
-    """The counters a worker logs when it stops."""
-    lines = [line for line in log.read_text().splitlines() if "stopped;" in line]
-    assert lines, log.read_text()[-2000:]
-    stats: dict[str, object] = json.loads(lines[-1][lines[-1].index("{") :])
-    return stats
+    return start
 
 
 async def test_kill_9_mid_batch_and_restart_loses_nothing_and_runs_each_key_once(

@@ -4,81 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
 import pytest
 
 from consumers import rabbitmq
-from tests.conftest import ROOT, eventually
-
-CLI = [sys.executable, "-m", "dedupe.cli"]
-
-
-@pytest.fixture
-async def effects(db: asyncpg.Connection) -> asyncpg.Connection:
-    await db.execute("CREATE TABLE effects (key text NOT NULL, n int NOT NULL, pid int)")
-    return db
+from tests.acceptance.conftest import Spawner, payload, run_cli, wait_exit
+from tests.conftest import eventually
 
 
 @pytest.fixture
-def spawn(
-    db_url: str, amqp_url: str, channel: str, tmp_path: Path
-) -> AsyncIterator[Callable[..., subprocess.Popen[bytes]]]:
-    """Start `dedupe-worker run tests.apps.crashy:app` processes; kill leftovers at the end."""
-    procs: list[subprocess.Popen[bytes]] = []
+def spawn(spawner: Spawner, amqp_url: str) -> Callable[..., subprocess.Popen[bytes]]:
+    """Start a worker on RabbitMQ."""
 
     def start(*extra: str, lease_s: float = 2.0) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "DEDUPE_DATABASE_URL": db_url,
-            "DEDUPE_BROKER_URL": amqp_url,
-            "DEDUPE_STATS_INTERVAL_S": "1",
-            "CRASHY_CHANNEL": channel,
-            "CRASHY_LEASE_S": str(lease_s),
-            "PYTHONPATH": str(ROOT),
-        }
-        log = open(tmp_path / f"worker-{len(procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [*CLI, "run", "tests.apps.crashy:app", "--concurrency", "8", *extra],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append(proc)
-        return proc
+        return spawner.start(amqp_url, *extra, lease_s=lease_s)
 
-    yield start  # type: ignore[misc]
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-async def wait_exit(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
-    return await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s)
-
-
-def payload(n: int, **extra: object) -> bytes:
-    return json.dumps({"n": n, **extra}).encode()
+    return start
 
 
 async def test_kill_9_mid_run_and_restart_loses_nothing_and_runs_each_key_once(
