@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 export DEDUPE_DATABASE_URL ?= postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe
 
-.PHONY: help install services services-down services-status demo test test-unit chaos lint format clean
+.PHONY: help install services services-down services-status browser demo test test-unit chaos lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -31,10 +31,13 @@ services-down:  ## stop the local services
 services-status:  ## show which local services are up
 	bash scripts/services.sh status
 
+browser:  ## install headless Chromium and chromedriver (Debian packages) for the status page test
+	bash scripts/browser.sh
+
 demo: install services  ## the main job end to end: duplicates, a crash, a summary (BROKER=rabbitmq|kafka)
 	$(BIN)/python scripts/demo.py --broker $(BROKER)
 
-test: install services  ## run the whole test suite against the real services (restarts them too)
+test: install services browser  ## run the whole test suite against the real services (restarts them too)
 	DEDUPE_CHAOS_RESTARTS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: install  ## only the tests that need no service

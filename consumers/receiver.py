@@ -1,6 +1,6 @@
 """The webhook receiver (ASGI): verify, claim, publish with confirms, store and replay the reply.
 
-    POST /webhooks/{source}    GET /healthz    GET /readyz
+    POST /webhooks/{source}    GET /healthz    GET /readyz    GET /metrics    GET /status
 
 Served by `dedupe-worker receive MODULE:APP`, or mounted in a FastAPI or Starlette app (see
 `create_receiver`). The claim lives in the workers' claims table, under the source's scope
@@ -27,16 +27,19 @@ try:
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import Response
+    from starlette.responses import PlainTextResponse, Response
     from starlette.routing import Route
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "the webhook receiver needs starlette and uvicorn: pip install 'dedupe-worker[receiver]'"
     ) from exc
 
+from consumers.status_page import StatusPage
+from dedupe.activity import Activity
 from dedupe.app import App
 from dedupe.errors import ConfigurationError, KeyMissing, StoreError
 from dedupe.message import Headers
+from dedupe.metrics import Metrics
 from dedupe.store import Claim, ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Publisher
 from dedupe.webhooks import Identity, VerificationFailed, WebhookSource
@@ -205,6 +208,8 @@ class Receiver:
         database_url: str | None,
         owner: str,
         publish_timeout_s: float,
+        metrics: Metrics | None = None,
+        metrics_interval_s: float = 15.0,
     ) -> None:
         self.app = app
         self.store = store
@@ -219,6 +224,10 @@ class Receiver:
         else:
             self._publisher_factory = publisher  # type: ignore[assignment]
         self.stats: collections.Counter[str] = collections.Counter()
+        self.metrics = metrics or Metrics()
+        self.metrics.watch_receiver(self.stats)
+        self.metrics_interval_s = metrics_interval_s
+        self.activity: Activity | None = None
 
     # -- lifespan ----------------------------------------------------------------------
 
@@ -240,6 +249,13 @@ class Receiver:
                     ClaimStore.open(self.database_url, owner=self.owner, max_size=20)
                 )
                 stack.callback(setattr, self, "store", None)
+            self.activity = await stack.enter_async_context(Activity(self.store))
+            stack.callback(setattr, self, "activity", None)
+            checking = asyncio.create_task(
+                self.metrics.check_claims_every(self.store, self.metrics_interval_s),
+                name="dedupe-receiver-metrics",
+            )
+            stack.push_async_callback(_cancelled, checking)
             if self.publisher is None and self._publisher_factory is not None:
                 publisher = self._publisher_factory()
                 stack.push_async_callback(publisher.close)
@@ -261,6 +277,13 @@ class Receiver:
             yield
 
     # -- endpoints ---------------------------------------------------------------------
+
+    async def metrics_text(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(
+            generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
 
     async def healthz(self, request: Request) -> Response:
         return Response('{"status":"ok"}', media_type="application/json")
@@ -377,6 +400,8 @@ class Receiver:
         """The reply to a key we do not own: replay, conflict or come back later."""
         if claim.same_payload is False:
             self.stats["conflicts"] += 1
+            if self.activity is not None:
+                self.activity.conflict(claim.scope, claim.key, "webhook body differs: 422")
             logger.info("webhook %s: key %s reused with another body: 422", source.name, claim.key)
             return problem(
                 422,
@@ -393,6 +418,8 @@ class Receiver:
             # receiver; the publish happened once, so answer as the publish would have.
             stored = accepted(source, identity)
         self.stats["replayed"] += 1
+        if self.activity is not None:
+            self.activity.duplicate(claim.scope)
         logger.debug("webhook %s: replayed key %s", source.name, claim.key)
         return stored.response(replayed=True)
 
@@ -456,6 +483,12 @@ class Receiver:
             logger.warning("could not release key %s (%s); its lease expires", fence.key, exc)
 
 
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def _in_flight() -> Response:
     return problem(
         409,
@@ -495,6 +528,8 @@ def create_receiver(
     database_url: str | None = None,
     owner: str | None = None,
     publish_timeout_s: float = 5.0,
+    status_token: str | None = None,
+    metrics: Metrics | None = None,
 ) -> Starlette:
     """A Starlette app serving `app`'s webhook sources.
 
@@ -510,6 +545,8 @@ def create_receiver(
         database_url: PostgreSQL URL of the claims, opened by the lifespan.
         owner: Written on claims (default: receiver@host:pid).
         publish_timeout_s: Longest wait for the broker's confirm before answering 503.
+        status_token: Required to release keys from /status (default: loopback clients only).
+        metrics: Where /metrics reads from (default: a registry of the receiver's own).
     """
     if not app.webhooks:
         raise ConfigurationError(
@@ -528,12 +565,16 @@ def create_receiver(
         database_url=database_url,
         owner=owner or f"receiver@{socket.gethostname()}:{os.getpid()}",
         publish_timeout_s=publish_timeout_s,
+        metrics=metrics,
     )
+    status = StatusPage(lambda: receiver.store, token=status_token, title=f"{app.name} receiver")
     asgi = Starlette(
         routes=[
             Route("/webhooks/{source}", receiver.webhook, methods=["POST"]),
             Route("/healthz", receiver.healthz, methods=["GET"]),
             Route("/readyz", receiver.readyz, methods=["GET"]),
+            Route("/metrics", receiver.metrics_text, methods=["GET"]),
+            *status.routes(),
         ],
         exception_handlers={HTTPException: _http_problem},
         lifespan=receiver.lifespan,

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from .context import Context, Database
 from .errors import DedupeError, InvalidPayload, KeyMissing, LeaseLost, Reject, Retry, StoreError
 from .keys import derive_key
 from .message import Message
+from .observe import Observer, Observers
 from .store import Claim, ClaimRequest, ClaimStore, Fence
 from .transport import ACK, Action, Delivery, Reason, Settlement
 
@@ -41,6 +43,9 @@ class Stats:
     deferred: int = 0
     requeued: int = 0
     lease_lost: int = 0
+    taken_over: int = 0  # keys claimed from a worker whose lease lapsed
+    fenced: int = 0  # completions refused because the token had moved on (zombie writes)
+    gc_deleted: int = 0  # expired claims removed by this worker's clean-up
     dead_lettered: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def snapshot(self) -> dict[str, Any]:
@@ -52,6 +57,9 @@ class Stats:
             "deferred": self.deferred,
             "requeued": self.requeued,
             "lease_lost": self.lease_lost,
+            "taken_over": self.taken_over,
+            "fenced": self.fenced,
+            "gc_deleted": self.gc_deleted,
             "dead_lettered": dict(self.dead_lettered),
         }
 
@@ -112,10 +120,12 @@ class Processor:
         gc_interval_s: float | None = 300.0,
         max_defer_s: float = 30.0,
         heartbeat_s: float | None = None,
+        observers: Sequence[Observer] = (),
     ) -> None:
         self.app = app
         self.store = store
         self.stats = Stats()
+        self.observer = Observers(observers)
         self._channels = app.channels
         self._slots = asyncio.Semaphore(concurrency)
         self._isolation = asyncio.Lock()
@@ -255,21 +265,41 @@ class Processor:
             first_of[(scope, key)] = i
             requests.append((i, ClaimRequest(scope, key, message.payload_hash)))
 
+        started = time.perf_counter()
         try:
             claims = await self.store.claim_batch(
                 [request for _, request in requests],
                 lease_s=handler.lease_s,
                 retention_s=handler.retention_s,
             )
+            self.observer.claimed(handler.name, time.perf_counter() - started, len(requests))
         except StoreError as exc:
             logger.warning("claim failed, requeueing %d messages: %s", len(messages), exc)
             requeue = Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
             return [outcome or _ready(requeue) for outcome in outcomes]
         for (i, request), claim in zip(requests, claims, strict=True):
-            outcomes[i] = self._spawn(self._settle_claim(handler, messages[i], request, claim))
+            settle = self._settle_claim(handler, messages[i], request, claim)
+            outcomes[i] = self._spawn(
+                self._observed(handler, messages[i], request, settle, started)
+            )
         for i, first in repeats:
-            outcomes[i] = self._spawn(self._after(outcomes[first], handler, messages[i]))
+            after = self._after(outcomes[first], handler, messages[i])
+            request = ClaimRequest(handler.scope_of(messages[i]) or "", "", b"")
+            outcomes[i] = self._spawn(self._observed(handler, messages[i], request, after, started))
         return [outcome for outcome in outcomes if outcome is not None]
+
+    async def _observed(
+        self,
+        handler: Handler,
+        message: Message,
+        request: ClaimRequest,
+        outcome: Awaitable[Settlement],
+        started: float,
+    ) -> Settlement:
+        settlement = await outcome
+        key = request.key or settlement.key or derive_key(handler.key_func, message)
+        self.observer.settled(handler.name, request.scope, key, message, settlement, started)
+        return settlement
 
     def _spawn(self, coro: Any) -> asyncio.Task[Settlement]:
         task: asyncio.Task[Settlement] = asyncio.create_task(coro)
@@ -351,9 +381,17 @@ class Processor:
             isolate=self._isolation if claim.taken_over else None,
         )
         self._runs[(fence.scope, fence.key)] = run
+        if claim.taken_over:
+            self.stats.taken_over += 1
         log = logging.LoggerAdapter(
             logging.getLogger(f"dedupe.handler.{handler.name}"),
-            {"scope": fence.scope, "key": fence.key, "message_id": message.message_id},
+            {
+                "handler": handler.name,
+                "scope": fence.scope,
+                "key": fence.key,
+                "message_id": message.message_id,
+                "attempt": claim.attempts,
+            },
         )
         try:
             try:
@@ -416,6 +454,8 @@ class Processor:
             if number is None:
                 raise LeaseLost()
             counted[0] = number
+            if isinstance(log.extra, dict):
+                log.extra["attempt"] = number  # the lines of the next attempt carry its number
 
         retrying = AsyncRetrying(
             retry=retry_if_exception(transient),
@@ -468,6 +508,8 @@ class Processor:
                     if number is None:
                         raise LeaseLost()
                     counted[0] = number
+                    if isinstance(log.extra, dict):
+                        log.extra["attempt"] = number
                     if number > handler.max_attempts:
                         raise _CrashLoop(
                             f"started {number - 1} times without finishing (max_attempts="
@@ -486,11 +528,16 @@ class Processor:
                     call = handler.fn(payload, ctx)
                 else:
                     call = handler.fn(payload)
-                if handler.timeout_s is not None:
-                    async with asyncio.timeout(handler.timeout_s):
+                began, ok = time.perf_counter(), False
+                try:
+                    if handler.timeout_s is not None:
+                        async with asyncio.timeout(handler.timeout_s):
+                            value = await call
+                    else:
                         value = await call
-                else:
-                    value = await call
+                    ok = True
+                finally:
+                    self.observer.ran(handler.name, time.perf_counter() - began, ok=ok)
             result = encode_result(value)
             await self._run_hooks("handled", message, fence)
             run.completing = True
@@ -499,9 +546,11 @@ class Processor:
                     [(fence, result, handler.retention_s)], conn=await db.connection()
                 )
                 if not done:
+                    self.stats.fenced += 1
                     raise LeaseLost()
                 await db.commit()
             elif not await self._completer.submit((fence, result, handler.retention_s)):
+                self.stats.fenced += 1
                 raise LeaseLost()
             await self._run_hooks("completed", message, fence)
             return result
@@ -574,6 +623,7 @@ class Processor:
                 logger.warning("clean-up failed: %s", exc)
                 continue
             if deleted:
+                self.stats.gc_deleted += deleted
                 logger.info("clean-up removed %d expired claims", deleted)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
@@ -29,6 +29,21 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     receiver_host: str = "127.0.0.1"
     receiver_port: int = Field(8080, ge=1, le=65_535)
+    log_format: str = "text"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(0, ge=0, le=65_535)
+    metrics_interval_s: float = Field(15.0, gt=0)
+    status_host: str = "127.0.0.1"
+    status_port: int = Field(8081, ge=1, le=65_535)
+    status_token: SecretStr | None = None
+
+    @field_validator("log_format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        value = value.lower()
+        if value not in {"text", "json"}:
+            raise ValueError("use text or json")
+        return value
 
     @field_validator("log_level")
     @classmethod

@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import sys
 from collections.abc import Sequence
 
+from .. import logs
 from ..errors import DedupeError, StoreError
 from .admin import cmd_claims, cmd_dlq, cmd_gc, cmd_migrate
 from .options import UsageError, add_common, load_app, make_publisher, make_transport, settings_from
 from .receive import cmd_receive
 from .run import cmd_run
+from .status import cmd_status
 
 DESCRIPTION = """\
 Run message handlers that are safe to retry.
@@ -75,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--gc-interval-s", type=float, help="clean-up period, 0 = off [DEDUPE_GC_INTERVAL_S; 300]"
     )
     run.add_argument("--worker-name", help="owner written on claims [DEDUPE_WORKER_NAME; host:pid]")
+    run.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port, 0 = off [DEDUPE_METRICS_PORT; 0]",
+    )
+    run.add_argument(
+        "--metrics-host",
+        help="address of the metrics endpoint [DEDUPE_METRICS_HOST; 127.0.0.1]",
+    )
     run.set_defaults(handler=cmd_run)
 
     receive = sub.add_parser(
@@ -114,12 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     claims = sub.add_parser("claims", help="inspect and release idempotency keys")
     claims_sub = claims.add_subparsers(dest="claims_command", metavar="ACTION", required=True)
     c_list = claims_sub.add_parser("list", help="list claims, newest first")
-    c_list.add_argument("--scope", help="a handler's scope (app.handler), tenants included")
+    c_list.add_argument(
+        "--scope", "--handler", help="a handler's scope (app.handler), tenants included"
+    )
     c_list.add_argument("--status", choices=["in_progress", "completed", "failed"])
     c_list.add_argument("--older-than-s", type=float, help="only claims created this long ago")
     c_list.add_argument("--limit", type=int, default=50)
     c_list.add_argument("--json", action="store_true", help="print JSON")
-    c_show = claims_sub.add_parser("show", help="show one claim")
+    c_show = claims_sub.add_parser("show", help="show one claim with its history")
+    c_show.add_argument(
+        "--table", action="store_true", help="print a table for people instead of JSON"
+    )
     c_rel = claims_sub.add_parser(
         "release", help="let a stuck or failed key run again (never a completed one)"
     )
@@ -127,11 +142,45 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("scope", help="e.g. shop.charge")
         p.add_argument("key")
     c_rel.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    for p in (c_list, c_show, c_rel):
+    c_purge = claims_sub.add_parser(
+        "purge", help="delete finished claims older than an age (never in-progress ones)"
+    )
+    c_purge.add_argument(
+        "--older-than-s", type=float, required=True, help="untouched for this long (seconds)"
+    )
+    c_purge.add_argument("--status", choices=["completed", "failed"], help="default: both")
+    c_purge.add_argument("--scope", "--handler", help="only this scope (tenants included)")
+    c_purge.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    for p in (c_list, c_show, c_rel, c_purge):
         add_common(p, broker=False)
     claims.set_defaults(handler=cmd_claims)
 
-    dlq = sub.add_parser("dlq", help="look at and replay dead-lettered messages (RabbitMQ)")
+    status = sub.add_parser(
+        "status",
+        help="claims per handler, stuck keys, recent conflicts and dead letters",
+        formatter_class=fmt,
+        description="Print the claims at a glance, or serve them as the status page "
+        "(--serve), where an operator can release a stuck key. Releasing from the page needs "
+        "DEDUPE_STATUS_TOKEN (open /status?token=...) or, without a token, a loopback client.",
+    )
+    add_common(status, broker=False)
+    status.add_argument(
+        "--stuck-after-s", type=float, default=60.0, help="in progress this long is stuck (60)"
+    )
+    status.add_argument("--limit", type=int, default=20, help="recent events shown (20)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument("--serve", action="store_true", help="serve the status page over HTTP")
+    status.add_argument(
+        "--host", dest="status_host", help="address to listen on [DEDUPE_STATUS_HOST; 127.0.0.1]"
+    )
+    status.add_argument(
+        "--port", dest="status_port", type=int, help="port [DEDUPE_STATUS_PORT; 8081]"
+    )
+    status.set_defaults(handler=cmd_status)
+
+    dlq = sub.add_parser(
+        "dlq", help="look at (RabbitMQ, Kafka) and replay (RabbitMQ) dead-lettered messages"
+    )
     dlq_sub = dlq.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
     d_list = dlq_sub.add_parser("list", help="show dead letters of a channel with their reasons")
     d_list.add_argument("--json", action="store_true", help="print JSON")
@@ -154,14 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from(args)
     except UsageError as exc:
         parser.exit(2, f"dedupe-worker: error: {exc}\n")
-    logging.basicConfig(
-        level=settings.log_level,
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("aiormq", "aio_pika", "aiokafka"):
-        # At DEBUG the broker clients log whole frames, bodies included: never a payload in logs.
-        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
+    logs.configure(settings.log_level, settings.log_format)
     try:
         with contextlib.suppress(KeyboardInterrupt):
             return int(asyncio.run(args.handler(args, settings)))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
+from ..operations import FINISHED, ClaimAdmin
 from ..settings import Settings
 from ..store import ClaimStore, migrate
-from .options import UsageError, confirm, print_rows
+from .options import UsageError, cell, confirm, print_rows
 
 
 async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -47,12 +49,17 @@ async def cmd_claims(args: argparse.Namespace, settings: Settings) -> int:
                 print("no claims match")
             return 0
         if args.claims_command == "show":
-            row = await store.show_claim(args.scope, args.key)
+            row = await ClaimAdmin(store).show(args.scope, args.key)
             if row is None:
                 print(f"no claim for scope {args.scope!r} key {args.key!r}", file=sys.stderr)
                 return 1
-            print(json.dumps(row, default=str, indent=2))
+            if args.table:
+                _print_claim(row)
+            else:
+                print(json.dumps(row, default=str, indent=2))
             return 0
+        if args.claims_command == "purge":
+            return await _purge(args, ClaimAdmin(store))
         # release
         if not args.yes and not confirm(
             f"release {args.scope}/{args.key} so that the next delivery runs it again?"
@@ -75,9 +82,36 @@ async def cmd_claims(args: argparse.Namespace, settings: Settings) -> int:
         return 0
 
 
+def _print_claim(row: dict[str, Any]) -> None:
+    history = row.pop("history")
+    width = max(len(name) for name in row)
+    for name, value in row.items():
+        print(f"{name.ljust(width)}  {cell(value) if name != 'result' else value or '-'}")
+    print()
+    if history:
+        print("history:")
+        print_rows(history, ["at", "event", "token", "owner", "attempts", "detail"])
+    else:
+        print("history: none (claimed once, no take-over, retry, failure or release)")
+
+
+async def _purge(args: argparse.Namespace, admin: ClaimAdmin) -> int:
+    statuses = [args.status] if args.status else list(FINISHED)
+    where = f" of {args.scope}" if args.scope else ""
+    if not args.yes and not confirm(
+        f"delete {' and '.join(statuses)} claims{where} untouched for {args.older_than_s:g}s? "
+        "A later duplicate of a deleted key runs its handler again"
+    ):
+        print("nothing done")
+        return 1
+    deleted = await admin.purge(older_than_s=args.older_than_s, statuses=statuses, scope=args.scope)
+    print(f"purged {deleted} claim(s)")
+    return 0
+
+
 async def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
-    if not settings.broker_url.startswith(("amqp://", "amqps://")):
-        raise UsageError("dlq list|replay supports RabbitMQ brokers (amqp://...) for now")
+    if settings.broker_url.startswith("kafka://"):
+        return await _kafka_dlq(args, settings)
     from consumers import rabbitmq
 
     if args.dlq_command == "list":
@@ -108,4 +142,24 @@ async def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
         f"replayed {len(moved)} dead letter(s) to {args.channel}; released {len(released)} "
         "failed claim(s) so they run again"
     )
+    return 0
+
+
+async def _kafka_dlq(args: argparse.Namespace, settings: Settings) -> int:
+    if args.dlq_command != "list":
+        raise UsageError(
+            "dlq replay supports RabbitMQ brokers for now; on Kafka, list the dead letters, "
+            "release their claims (claims release) and publish them to the channel again"
+        )
+    from consumers import kafka_clients
+
+    rows = await kafka_clients.peek_dead_letters(
+        settings.broker_url, args.channel, limit=args.limit
+    )
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    elif rows:
+        print_rows(rows, ["message_id", "reason", "scope", "key", "detail"])
+    else:
+        print(f"{args.channel}.dlq is empty")
     return 0

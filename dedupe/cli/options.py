@@ -49,6 +49,13 @@ def add_common(parser: argparse.ArgumentParser, *, broker: bool) -> None:
         metavar="LEVEL",
         help="DEBUG, INFO, WARNING or ERROR [DEDUPE_LOG_LEVEL; default: INFO]",
     )
+    parser.add_argument(
+        "--log-format",
+        dest="log_format",
+        choices=["text", "json"],
+        help="text for people, json (one object per line) for machines "
+        "[DEDUPE_LOG_FORMAT; default: text]",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

@@ -39,8 +39,13 @@ async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:
     async with pool:
         store = ClaimStore(pool, owner=settings.worker_name)
         await check_migrated(store)
+        token = settings.status_token.get_secret_value() if settings.status_token else None
         asgi = create_receiver(
-            app, store=store, publisher=lambda: publisher, owner=settings.worker_name
+            app,
+            store=store,
+            publisher=lambda: publisher,
+            owner=settings.worker_name,
+            status_token=token,
         )
         config = uvicorn.Config(
             asgi,

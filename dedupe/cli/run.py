@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from .. import tracing
+from ..activity import Activity
 from ..errors import DedupeError
+from ..metrics import Metrics
+from ..observe import Observer
 from ..pipeline import Processor
 from ..settings import Settings
 from ..store import ClaimStore, connect_pool, redact
@@ -50,12 +55,26 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     async with pool:
         store = ClaimStore(pool, owner=settings.worker_name)
         await check_migrated(store)
-        async with Processor(
-            app,
-            store,
-            concurrency=settings.concurrency,
-            gc_interval_s=settings.gc_interval_s or None,
-        ) as processor:
+        metrics = Metrics()
+        tracer = tracing.tracer_for(store)
+        activity = Activity(store)
+        observers: list[Observer] = [activity]
+        if settings.metrics_port:
+            observers.append(metrics)
+        if tracer is not None:
+            observers.append(tracer)
+        async with (
+            activity,
+            tracer or contextlib.nullcontext(),
+            Processor(
+                app,
+                store,
+                concurrency=settings.concurrency,
+                gc_interval_s=settings.gc_interval_s or None,
+                observers=observers,
+            ) as processor,
+            _metrics_served(metrics, processor, store, settings),
+        ):
             await _connect_broker(transport, settings)
             logger.info(
                 "worker %s running app %r: %s",
@@ -116,3 +135,25 @@ async def _report(processor: Processor, interval_s: float) -> None:
         if snapshot != last:
             logger.info("progress: %s in flight, %s", processor.in_flight, json.dumps(snapshot))
             last = snapshot
+
+
+@contextlib.asynccontextmanager
+async def _metrics_served(
+    metrics: Metrics, processor: Processor, store: ClaimStore, settings: Settings
+) -> AsyncIterator[None]:
+    """Serve /metrics while the worker runs (only with --metrics-port)."""
+    if not settings.metrics_port:
+        yield
+        return
+    metrics.watch_processor(processor)
+    served = metrics.serve(settings.metrics_host, settings.metrics_port)
+    checking = asyncio.create_task(
+        metrics.check_claims_every(store, settings.metrics_interval_s), name="dedupe-metrics"
+    )
+    try:
+        yield
+    finally:
+        checking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checking
+        served.stop()

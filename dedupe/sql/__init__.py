@@ -10,9 +10,9 @@ _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
 @cache
-def queries() -> dict[str, str]:
-    """Parse `queries.sql` into {name: statement}."""
-    text = resources.files(__package__).joinpath("queries.sql").read_text("utf-8")
+def queries(file: str = "queries.sql") -> dict[str, str]:
+    """Parse `queries.sql` (or another file of named queries) into {name: statement}."""
+    text = resources.files(__package__).joinpath(file).read_text("utf-8")
     found: dict[str, str] = {}
     parts = _NAME.split(text)
     for name, body in zip(parts[1::2], parts[2::2], strict=True):

@@ -1,0 +1,227 @@
+"""The status page: per handler, claims by status, duplicates suppressed, recent trouble and
+stuck keys with a button to release one. Server-rendered HTML, no JavaScript framework.
+
+    GET  /status            the page (?stuck_after_s=60)
+    POST /status/release    release one key (form: scope, key[, token])
+
+Mounted by the webhook receiver and served by `dedupe-worker status --serve`. Releasing is
+an operator's action: with a token configured (DEDUPE_STATUS_TOKEN) the page must be opened
+as /status?token=... and every release carries it; without one, only clients on the loopback
+interface may release. A release whose Origin is another site is refused (no cross-site
+forms), and the browser asks for confirmation first.
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from dedupe.errors import StoreError
+from dedupe.operations import ClaimAdmin
+from dedupe.store import ClaimStore
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
+h1{font-size:1.4em}h2{font-size:1.1em;margin-top:2em}
+table{border-collapse:collapse;min-width:40em}th,td{padding:.3em .8em;text-align:left;
+border-bottom:1px solid #ddd}th{background:#f4f4f4}td.n{text-align:right}
+.flash{background:#e8f5e9;padding:.5em 1em;border-left:4px solid #43a047}
+.error{background:#fdecea;border-left-color:#e53935}.muted{color:#777}
+button{cursor:pointer}
+"""
+
+
+def _e(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    if hasattr(value, "isoformat"):
+        return html.escape(value.isoformat(timespec="seconds"))
+    text = str(value)
+    return html.escape(text if len(text) <= 120 else text[:117] + "...")
+
+
+class StatusPage:
+    """The page and its release action over a claim store."""
+
+    def __init__(
+        self,
+        store: ClaimStore | Callable[[], ClaimStore | None],
+        *,
+        token: str | None = None,
+        title: str = "dedupe-worker",
+        path: str = "/status",
+    ) -> None:
+        self._store = store
+        self.token = token
+        self.title = title
+        self.path = path
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route(self.path, self.page, methods=["GET"]),
+            Route(f"{self.path}/release", self.release, methods=["POST"]),
+        ]
+
+    def _admin(self) -> ClaimAdmin | None:
+        store = self._store if isinstance(self._store, ClaimStore) else self._store()
+        return ClaimAdmin(store) if store is not None else None
+
+    def _may_release(self, request: Request, token: str | None) -> bool:
+        if self.token is not None:
+            return token is not None and hmac.compare_digest(token, self.token)
+        return request.client is not None and request.client.host in LOOPBACK
+
+    # -- GET -----------------------------------------------------------------------------
+
+    async def page(self, request: Request) -> Response:
+        admin = self._admin()
+        if admin is None:
+            return HTMLResponse("<p>not started</p>", status_code=503)
+        token = request.query_params.get("token")
+        try:
+            stuck_after_s = float(request.query_params.get("stuck_after_s", "60"))
+        except ValueError:
+            stuck_after_s = 60.0
+        try:
+            overview = await admin.overview()
+            stuck = await admin.stuck(older_than_s=stuck_after_s, limit=100)
+            recent = await admin.recent(("conflict", "failed", "dead_lettered"), limit=30)
+        except StoreError as exc:
+            logger.warning("status page: %s", exc)
+            return HTMLResponse("<p>the claims database is unavailable</p>", status_code=503)
+        can_release = self._may_release(request, token)
+        parts = [
+            f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(self.title)} status"
+            f"</title><style>{STYLE}</style></head><body>",
+            f"<h1>{_e(self.title)} — claims</h1>",
+            f"<p class='muted'>as of {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
+            self._flash(request),
+            self._overview(overview),
+            self._stuck(stuck, stuck_after_s, can_release, token),
+            self._recent(recent),
+            "</body></html>",
+        ]
+        return HTMLResponse("".join(parts))
+
+    def _flash(self, request: Request) -> str:
+        if released := request.query_params.get("released"):
+            return f"<p class='flash' id='flash'>released {_e(released)}</p>"
+        if refused := request.query_params.get("refused"):
+            return f"<p class='flash error' id='flash'>not released: {_e(refused)}</p>"
+        return ""
+
+    def _overview(self, rows: list[dict[str, Any]]) -> str:
+        head = (
+            "<h2>Handlers</h2><table id='handlers'><tr><th>handler (scope)</th>"
+            "<th>in progress</th><th>completed</th><th>failed</th>"
+            "<th>duplicates suppressed</th><th>conflicts</th></tr>"
+        )
+        body = "".join(
+            f"<tr><td>{_e(r['handler'])}</td><td class='n'>{r['in_progress']}</td>"
+            f"<td class='n'>{r['completed']}</td><td class='n'>{r['failed']}</td>"
+            f"<td class='n'>{r['duplicates']}</td><td class='n'>{r['conflicts']}</td></tr>"
+            for r in rows
+        )
+        empty = "" if rows else "<tr><td colspan='6' class='muted'>no claims yet</td></tr>"
+        return head + body + empty + "</table>"
+
+    def _stuck(
+        self, rows: list[dict[str, Any]], after_s: float, can_release: bool, token: str | None
+    ) -> str:
+        head = (
+            f"<h2>In progress for more than {after_s:g} s</h2><table id='stuck'><tr>"
+            "<th>scope</th><th>key</th><th>age (s)</th><th>owner</th><th>attempts</th>"
+            "<th>lease</th><th></th></tr>"
+        )
+        body = []
+        for r in rows:
+            button = ""
+            if can_release:
+                hidden = f"<input type='hidden' name='token' value='{_e(token)}'>" if token else ""
+                question = html.escape(
+                    f"Release {r['scope']}/{r['key']}? The next delivery runs it again.", quote=True
+                )
+                button = (
+                    f"<form method='post' action='{self.path}/release' "
+                    f"onsubmit=\"return confirm('{question}')\">"
+                    f"<input type='hidden' name='scope' value='{_e(r['scope'])}'>"
+                    f"<input type='hidden' name='key' value='{_e(r['key'])}'>{hidden}"
+                    f"<button type='submit' class='release'>release</button></form>"
+                )
+            lease = "lapsed" if r["lease_lapsed"] else "live"
+            body.append(
+                f"<tr><td>{_e(r['scope'])}</td><td class='key'>{_e(r['key'])}</td>"
+                f"<td class='n'>{_e(r['age_s'])}</td><td>{_e(r['owner'])}</td>"
+                f"<td class='n'>{r['attempts']}</td><td>{lease}</td><td>{button}</td></tr>"
+            )
+        empty = "" if rows else "<tr><td colspan='7' class='muted'>none</td></tr>"
+        note = (
+            ""
+            if can_release
+            else "<p class='muted'>Releasing needs the status token or a loopback client.</p>"
+        )
+        return head + "".join(body) + empty + "</table>" + note
+
+    def _recent(self, rows: list[dict[str, Any]]) -> str:
+        head = (
+            "<h2>Recent conflicts and dead letters</h2><table id='recent'><tr><th>when</th>"
+            "<th>event</th><th>scope</th><th>key</th><th>detail</th></tr>"
+        )
+        body = "".join(
+            f"<tr><td>{_e(r['at'])}</td><td>{_e(r['event'])}</td><td>{_e(r['scope'])}</td>"
+            f"<td>{_e(r['key'])}</td><td>{_e(r['detail'])}</td></tr>"
+            for r in rows
+        )
+        empty = "" if rows else "<tr><td colspan='5' class='muted'>none</td></tr>"
+        return head + body + empty + "</table>"
+
+    # -- POST ----------------------------------------------------------------------------
+
+    async def release(self, request: Request) -> Response:
+        origin = request.headers.get("origin")
+        if origin and origin != "null" and urlsplit(origin).netloc != request.headers.get("host"):
+            return Response("cross-site release refused", status_code=403)
+        form = await request.form()
+        scope, key, token = form.get("scope"), form.get("key"), form.get("token")
+        if not isinstance(scope, str) or not isinstance(key, str):
+            return Response("scope and key are required", status_code=400)
+        token = token if isinstance(token, str) else None
+        if not self._may_release(request, token):
+            return Response("releasing needs the status token", status_code=403)
+        admin = self._admin()
+        if admin is None:
+            return Response("not started", status_code=503)
+        try:
+            status = await admin.release(scope, key)
+        except StoreError as exc:
+            logger.warning("status page: release failed: %s", exc)
+            return Response("the claims database is unavailable", status_code=503)
+        query: dict[str, str] = {"token": token} if token else {}
+        if status is None:
+            query["refused"] = f"{scope}/{key} is completed or gone"
+        else:
+            query["released"] = f"{scope}/{key} (was {status})"
+            logger.info(
+                "released %s/%s from the status page",
+                scope,
+                key,
+                extra={"scope": scope, "key": key, "outcome": "released"},
+            )
+        return RedirectResponse(f"{self.path}?{urlencode(query)}", status_code=303)
+
+
+__all__ = ["StatusPage"]

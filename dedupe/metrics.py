@@ -1,0 +1,257 @@
+"""Prometheus metrics of a worker or a receiver (prometheus-client, a core dependency).
+
+Three sources, chosen to cost the hot path as little as possible:
+
+- per message, an observer: outcome counters and latency histograms (a dict look-up and a
+  lock-free-ish increment each);
+- at scrape time, a collector that reads counters the pipeline keeps anyway (Stats) and the
+  in-flight count: nothing per message;
+- every `interval_s`, two indexed queries: the age of the oldest in-progress claim and how
+  far clean-up lags behind the expiry times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .errors import StoreError
+from .message import Message
+from .observe import Observer, outcome_of
+from .pipeline import Processor
+from .store import ClaimStore
+from .transport import Settlement
+
+logger = logging.getLogger(__name__)
+
+# Claims and handlers run in milliseconds; the tail reaches a lease (30 s by default).
+LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+OUTCOMES = ("completed", "duplicate", "conflict", "dead_lettered", "deferred", "requeued")
+
+OLDEST_IN_PROGRESS_SQL = """
+SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_s,
+       count(*) FILTER (WHERE lease_until < now()) AS stuck
+  FROM dedupe_claims WHERE status = 'in_progress'
+"""
+CLEANUP_LAG_SQL = """
+SELECT coalesce(extract(epoch FROM now() - min(expires_at)), 0)::float8
+  FROM dedupe_claims WHERE expires_at < now()
+"""
+
+
+class Metrics(Observer):
+    """The metrics of one process, on a registry of its own (several per test process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.messages = Counter(
+            "dedupe_messages",
+            "Messages settled, by handler and outcome (completed, duplicate, conflict, "
+            "dead_lettered, deferred, requeued)",
+            ["handler", "outcome"],
+            registry=self.registry,
+        )
+        self.claim_seconds = Histogram(
+            "dedupe_claim_seconds",
+            "Time of one batched claim statement, by handler",
+            ["handler"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.handler_seconds = Histogram(
+            "dedupe_handler_seconds",
+            "Time of one run of a handler (one attempt), by handler and result (ok, error)",
+            ["handler", "result"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.oldest_in_progress = Gauge(
+            "dedupe_oldest_in_progress_age_seconds",
+            "Age of the oldest claim still in progress (0 when none)",
+            registry=self.registry,
+        )
+        self.stuck = Gauge(
+            "dedupe_stuck_claims",
+            "Claims in progress whose lease has lapsed and that nobody has taken over yet",
+            registry=self.registry,
+        )
+        self.cleanup_lag = Gauge(
+            "dedupe_cleanup_lag_seconds",
+            "How long the oldest expired claim has waited for clean-up (0 when none)",
+            registry=self.registry,
+        )
+        self.last_check = Gauge(
+            "dedupe_claims_checked_timestamp_seconds",
+            "When the claims table was last looked at for the gauges above",
+            registry=self.registry,
+        )
+        self._children: dict[tuple[str, str], Any] = {}
+        self._timers: dict[tuple[str, str], Any] = {}
+
+    # -- the observer ------------------------------------------------------------------
+
+    def claimed(self, handler: str, seconds: float, count: int) -> None:
+        child = self._timers.get(("claim", handler))
+        if child is None:
+            child = self._timers[("claim", handler)] = self.claim_seconds.labels(handler)
+        child.observe(seconds)
+
+    def ran(self, handler: str, seconds: float, *, ok: bool) -> None:
+        result = "ok" if ok else "error"
+        child = self._timers.get((handler, result))
+        if child is None:
+            child = self._timers[(handler, result)] = self.handler_seconds.labels(handler, result)
+        child.observe(seconds)
+
+    def settled(
+        self,
+        handler: str,
+        scope: str,
+        key: str,
+        message: Message,
+        settlement: Settlement,
+        started: float,
+    ) -> None:
+        outcome = outcome_of(settlement)
+        child = self._children.get((handler, outcome))
+        if child is None:
+            child = self._children[(handler, outcome)] = self.messages.labels(handler, outcome)
+        child.inc()
+
+    # -- the sources read at scrape time -------------------------------------------------
+
+    def watch_processor(self, processor: Processor) -> None:
+        """Export the processor's own counters and its in-flight count at every scrape."""
+        self.registry.register(_ProcessorCollector(processor))
+        for name in processor.app.handlers:
+            for outcome in OUTCOMES:  # present from the start: rate() needs a first sample
+                self.messages.labels(name, outcome)
+
+    def watch_receiver(self, stats: Mapping[str, int]) -> None:
+        """Export the webhook receiver's counters (accepted, replayed, conflicts ...)."""
+        self.registry.register(_ReceiverCollector(stats))
+
+    # -- the source read every interval --------------------------------------------------
+
+    async def check_claims(self, store: ClaimStore) -> None:
+        """Refresh the gauges that need the claims table (two indexed queries)."""
+        try:
+            async with store.pool.acquire() as conn:
+                row = await conn.fetchrow(OLDEST_IN_PROGRESS_SQL)
+                lag = await conn.fetchval(CLEANUP_LAG_SQL)
+        except Exception as exc:
+            raise StoreError(f"metrics query failed: {exc}") from exc
+        self.oldest_in_progress.set(row["oldest_s"])
+        self.stuck.set(row["stuck"])
+        self.cleanup_lag.set(lag)
+        self.last_check.set_to_current_time()
+
+    async def check_claims_every(self, store: ClaimStore, interval_s: float) -> None:
+        """check_claims in a loop until cancelled; failures are logged, not raised."""
+        while True:
+            try:
+                await self.check_claims(store)
+            except StoreError as exc:
+                logger.warning("%s", exc)
+            await asyncio.sleep(interval_s)
+
+    def serve(self, host: str, port: int) -> Served:
+        """Serve /metrics on host:port (0: any free port) from a thread until stopped."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        logger.info("metrics on http://%s:%d/metrics", host, server.server_port)
+
+        def stop() -> None:
+            server.shutdown()
+            server.server_close()
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
+
+        return Served(port=int(server.server_port), stop=stop)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A running metrics endpoint: its port and how to stop it."""
+
+    port: int
+    stop: Callable[[], None]
+
+
+class _ProcessorCollector(Collector):
+    def __init__(self, processor: Processor) -> None:
+        self.processor = processor
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.processor.stats
+        counters = {
+            "dedupe_retries": ("Attempts that failed and were retried", stats.retried),
+            "dedupe_lease_takeovers": (
+                "Keys claimed from a worker whose lease had lapsed",
+                stats.taken_over,
+            ),
+            "dedupe_fenced_completions": (
+                "Completions refused by the fencing token: a zombie's writes rolled back",
+                stats.fenced,
+            ),
+            "dedupe_lease_lost": ("Runs that lost their claim to another worker", stats.lease_lost),
+            "dedupe_cleanup_deleted_rows": (
+                "Expired claims deleted by this process's clean-up",
+                stats.gc_deleted,
+            ),
+        }
+        for name, (text, value) in counters.items():
+            yield CounterMetricFamily(name, text, value=value)
+        dead = CounterMetricFamily(
+            "dedupe_dead_letters", "Messages dead-lettered, by reason", labels=["reason"]
+        )
+        for reason, count in sorted(stats.dead_lettered.items()):
+            dead.add_metric([reason], count)
+        yield dead
+        yield GaugeMetricFamily(
+            "dedupe_in_flight",
+            "Messages being claimed, run or settled",
+            value=self.processor.in_flight,
+        )
+
+
+class _ReceiverCollector(Collector):
+    def __init__(self, stats: Mapping[str, int]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily(
+            "dedupe_webhook_requests",
+            "Webhook requests by outcome (accepted, replayed, conflicts, in_flight, "
+            "unauthenticated, broker_unavailable)",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(collections.Counter(self.stats).items()):
+            family.add_metric([outcome], count)
+        yield family
+
+
+__all__ = ["LATENCY_BUCKETS_S", "Metrics"]

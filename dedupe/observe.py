@@ -1,0 +1,125 @@
+"""What the pipeline tells observers (metrics, tracing, the outcome log, the status page).
+
+Observers are called inline, so every method must be cheap and must not block: anything
+that needs I/O is buffered and done by the observer's own background task.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from .message import Message
+from .transport import Action, Reason, Settlement
+
+logger = logging.getLogger("dedupe.outcome")
+
+
+def outcome_of(settlement: Settlement) -> str:
+    """One word for what happened to a message under one handler."""
+    if settlement.action is Action.ACK:
+        return "duplicate" if settlement.duplicate else "completed"
+    if settlement.action is Action.DEAD_LETTER:
+        return "conflict" if settlement.reason is Reason.KEY_CONFLICT else "dead_lettered"
+    if settlement.action is Action.DEFER:
+        return "deferred"
+    return "requeued"
+
+
+class Observer:
+    """Does nothing; subclasses override what they watch."""
+
+    def claimed(self, handler: str, seconds: float, count: int) -> None:
+        """A claim statement for `count` keys of `handler` took `seconds`."""
+
+    def ran(self, handler: str, seconds: float, *, ok: bool) -> None:
+        """One run of `handler` (one attempt) took `seconds`."""
+
+    def settled(
+        self,
+        handler: str,
+        scope: str,
+        key: str,
+        message: Message,
+        settlement: Settlement,
+        started: float,
+    ) -> None:
+        """The pipeline decided `settlement` for this message under `handler`.
+
+        `started` is the loop time (time.perf_counter) at which the batch began.
+        """
+
+
+class Observers(Observer):
+    """Several observers called in turn; one that raises is logged and skipped."""
+
+    def __init__(self, observers: Sequence[Observer] = ()) -> None:
+        self.members = [OutcomeLog(), *observers]
+
+    def claimed(self, handler: str, seconds: float, count: int) -> None:
+        for member in self.members:
+            try:
+                member.claimed(handler, seconds, count)
+            except Exception:
+                logger.exception("observer %r failed", member)
+
+    def ran(self, handler: str, seconds: float, *, ok: bool) -> None:
+        for member in self.members:
+            try:
+                member.ran(handler, seconds, ok=ok)
+            except Exception:
+                logger.exception("observer %r failed", member)
+
+    def settled(
+        self,
+        handler: str,
+        scope: str,
+        key: str,
+        message: Message,
+        settlement: Settlement,
+        started: float,
+    ) -> None:
+        for member in self.members:
+            try:
+                member.settled(handler, scope, key, message, settlement, started)
+            except Exception:
+                logger.exception("observer %r failed", member)
+
+
+class OutcomeLog(Observer):
+    """One line per message and handler: DEBUG for the usual, WARNING for dead letters."""
+
+    def settled(
+        self,
+        handler: str,
+        scope: str,
+        key: str,
+        message: Message,
+        settlement: Settlement,
+        started: float,
+    ) -> None:
+        level = logging.WARNING if settlement.action is Action.DEAD_LETTER else logging.DEBUG
+        if not logger.isEnabledFor(level):
+            return
+        outcome = outcome_of(settlement)
+        logger.log(
+            level,
+            "%s %s/%s: %s%s",
+            handler,
+            scope,
+            key,
+            outcome,
+            f" ({settlement.reason}: {settlement.detail})" if settlement.reason else "",
+            extra={
+                "handler": handler,
+                "scope": scope,
+                "key": key,
+                "message_id": message.message_id,
+                "attempt": message.attempt,
+                "outcome": outcome,
+                "reason": str(settlement.reason) if settlement.reason else None,
+            },
+        )
+
+
+__all__ = ["Observer", "Observers", "OutcomeLog", "outcome_of"]

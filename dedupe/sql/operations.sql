@@ -1,0 +1,90 @@
+-- Named queries for operators and observers (the status page, `claims`, metrics, tracing).
+-- None of them runs per message: they run on an operator's request or every few seconds.
+
+-- name: history
+SELECT at, event, token, owner, attempts, detail
+  FROM dedupe_claim_events
+ WHERE scope = $1 AND key = $2
+ ORDER BY at, id;
+
+-- name: purge_batch
+-- Delete one batch of finished claims last touched before the cut-off; never in-progress ones.
+DELETE FROM dedupe_claims
+ WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM dedupe_claims
+         WHERE status = ANY($1::text[]) AND status <> 'in_progress'
+           AND updated_at < now() - make_interval(secs => $2)
+           AND ($3::text IS NULL OR scope = $3 OR scope LIKE $3 || '/%')
+         LIMIT $4
+           FOR UPDATE SKIP LOCKED));
+
+-- name: overview
+-- Claims by handler (the scope without its tenant) and status, with what the table cannot
+-- say by itself: duplicates suppressed and conflicts seen. A full scan: operators ask for it,
+-- nothing polls it.
+WITH claims AS (
+    SELECT split_part(scope, '/', 1) AS handler,
+           count(*) FILTER (WHERE status = 'in_progress') AS in_progress,
+           count(*) FILTER (WHERE status = 'completed') AS completed,
+           count(*) FILTER (WHERE status = 'failed') AS failed
+      FROM dedupe_claims GROUP BY 1
+), counted AS (
+    SELECT split_part(scope, '/', 1) AS handler, sum(duplicates)::bigint AS duplicates,
+           sum(conflicts)::bigint AS conflicts
+      FROM dedupe_scope_counts GROUP BY 1
+)
+SELECT coalesce(c.handler, n.handler) AS handler,
+       coalesce(c.in_progress, 0) AS in_progress, coalesce(c.completed, 0) AS completed,
+       coalesce(c.failed, 0) AS failed, coalesce(n.duplicates, 0) AS duplicates,
+       coalesce(n.conflicts, 0) AS conflicts
+  FROM claims c FULL JOIN counted n ON n.handler = c.handler
+ ORDER BY 1;
+
+-- name: stuck
+-- Claims in progress for longer than $1 seconds, oldest first (the partial index on
+-- in-progress claims keeps this cheap on a large table).
+SELECT scope, key, owner, token, attempts, lease_until, created_at,
+       extract(epoch FROM now() - created_at)::float8 AS age_s,
+       coalesce(lease_until < now(), true) AS lease_lapsed
+  FROM dedupe_claims
+ WHERE status = 'in_progress' AND created_at < now() - make_interval(secs => $1)
+ ORDER BY created_at
+ LIMIT $2;
+
+-- name: recent_events
+SELECT at, scope, key, event, owner, attempts, detail
+  FROM dedupe_claim_events
+ WHERE event = ANY($1::text[])
+ ORDER BY at DESC
+ LIMIT $2;
+
+-- name: add_counts
+INSERT INTO dedupe_scope_counts AS s (scope, duplicates, conflicts)
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::bigint[])
+    ON CONFLICT (scope) DO UPDATE
+   SET duplicates = s.duplicates + EXCLUDED.duplicates,
+       conflicts = s.conflicts + EXCLUDED.conflicts, updated_at = now();
+
+-- name: add_events
+INSERT INTO dedupe_claim_events (scope, key, event, detail)
+SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]);
+
+-- name: set_trace_ids
+-- The trace of the run that completed each key.
+UPDATE dedupe_claims AS c
+   SET trace_id = i.trace_id
+  FROM unnest($1::text[], $2::text[], $3::text[]) AS i(scope, key, trace_id)
+ WHERE c.scope = i.scope AND c.key = i.key AND c.status = 'completed';
+
+-- name: trace_ids
+SELECT c.scope, c.key, c.trace_id
+  FROM dedupe_claims c
+  JOIN unnest($1::text[], $2::text[]) AS i(scope, key) ON c.scope = i.scope AND c.key = i.key
+ WHERE c.trace_id IS NOT NULL;
+
+-- name: show_claim
+SELECT scope, key, encode(payload_hash, 'hex') AS payload_hash, status, retryable, token, owner,
+       attempts, lease_until, result::text AS result, error, created_at, updated_at, expires_at,
+       lease_until > now() AS lease_live, dead_lettered_at, trace_id
+  FROM dedupe_claims
+ WHERE scope = $1 AND key = $2;

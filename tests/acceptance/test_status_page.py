@@ -1,0 +1,169 @@
+"""The status page in a real headless Chromium: what it shows and its release button.
+
+Served by the real `dedupe-worker status --serve`; Chromium and chromedriver come from
+Debian (`make browser`, which `make test` runs). The screenshot is kept for people to look
+at: .services/screenshots/status-page.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import asyncpg
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.conftest import ROOT
+
+SCREENSHOTS = ROOT / ".services" / "screenshots"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def browser() -> Iterator[webdriver.Chrome]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.fail("chromium and chromedriver are missing: run `make browser`")
+    profile = tempfile.mkdtemp(prefix="dedupe-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1280,900",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    chrome = webdriver.Chrome(options=options, service=Service(executable_path=driver))
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+async def status_server(db_url: str) -> AsyncIterator[str]:
+    port = free_port()
+    env = {**os.environ, "DEDUPE_DATABASE_URL": db_url, "DEDUPE_STATUS_PORT": str(port)}
+    env.pop("DEDUPE_STATUS_TOKEN", None)
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "dedupe.cli", "status", "--serve"],
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        async with httpx.AsyncClient() as client:
+            while True:
+                try:
+                    if (await client.get(f"{url}/status")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.returncode is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    output = await proc.stdout.read() if proc.stdout else b""
+                    pytest.fail(f"status --serve did not start: {output.decode()}")
+                await asyncio.sleep(0.1)
+        yield url
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 10)
+
+
+async def plant(db: asyncpg.Connection) -> None:
+    await db.execute(
+        """INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, lease_until,
+                                      created_at, expires_at, attempts, error)
+           VALUES ('shop.charge', 'stuck-1', '\\x00', 'in_progress', 'worker-gone',
+                   now() - interval '4 minutes', now() - interval '15 minutes',
+                   now() + interval '7 days', 1, NULL),
+                  ('shop.charge', 'done-1', '\\x00', 'completed', 'worker-a', NULL,
+                   now(), now() + interval '7 days', 1, NULL),
+                  ('shop.charge', 'bad-1', '\\x00', 'in_progress', 'worker-a', now(),
+                   now(), now() + interval '7 days', 1, NULL)"""
+    )
+    # bad-1 fails (its history records it), then a conflict is seen on done-1
+    await db.execute(
+        "UPDATE dedupe_claims SET status = 'failed', error = 'handler_error: ValueError: no' "
+        "WHERE key = 'bad-1'"
+    )
+    await db.execute(
+        "INSERT INTO dedupe_claim_events (scope, key, event, detail) "
+        "VALUES ('shop.charge', 'done-1', 'conflict', 'another payload')"
+    )
+    await db.execute(
+        "INSERT INTO dedupe_scope_counts (scope, duplicates, conflicts) "
+        "VALUES ('shop.charge', 7, 1)"
+    )
+
+
+async def test_the_status_page_shows_the_claims_and_releases_a_stuck_key(
+    db: asyncpg.Connection, status_server: str, browser: webdriver.Chrome
+) -> None:
+    """Per handler counts, stuck keys with their age, recent trouble; release asks first."""
+    await plant(db)
+    await asyncio.to_thread(browser.get, f"{status_server}/status")
+    handlers = browser.find_element(By.ID, "handlers").text
+    assert "shop.charge 1 1 1 7 1" in handlers  # in progress, completed, failed, dups, conflicts
+    stuck = browser.find_element(By.ID, "stuck").text
+    assert "stuck-1" in stuck and "worker-gone" in stuck and "lapsed" in stuck
+    assert "bad-1" not in stuck
+    recent = browser.find_element(By.ID, "recent").text
+    assert "conflict" in recent and "failed" in recent and "handler_error" in recent
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / "status-page.png"
+    assert browser.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+
+    # Dismissing the confirmation releases nothing.
+    browser.find_element(By.CSS_SELECTOR, "#stuck button.release").click()
+    WebDriverWait(browser, 5).until(expected_conditions.alert_is_present())
+    alert = browser.switch_to.alert
+    assert "Release shop.charge/stuck-1?" in alert.text
+    alert.dismiss()
+    assert await db.fetchval("SELECT retryable FROM dedupe_claims WHERE key = 'stuck-1'") is False
+
+    # Accepting it releases the key, and the page says so.
+    browser.find_element(By.CSS_SELECTOR, "#stuck button.release").click()
+    WebDriverWait(browser, 5).until(expected_conditions.alert_is_present())
+    browser.switch_to.alert.accept()
+    flash = WebDriverWait(browser, 10).until(
+        expected_conditions.presence_of_element_located((By.ID, "flash"))
+    )
+    assert "released shop.charge/stuck-1 (was in_progress)" in flash.text
+    row = await db.fetchrow(
+        "SELECT retryable, attempts, lease_until <= now() AS lapsed FROM dedupe_claims "
+        "WHERE key = 'stuck-1'"
+    )
+    assert dict(row) == {"retryable": True, "attempts": 0, "lapsed": True}
+    events = await db.fetch("SELECT event FROM dedupe_claim_events WHERE key = 'stuck-1'")
+    assert [e["event"] for e in events] == ["released"]
+    browser.save_screenshot(str(SCREENSHOTS / "status-page-released.png"))

@@ -1,0 +1,141 @@
+"""Prometheus metrics fed by the pipeline, the claims table and the receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import asyncpg
+import httpx
+from pydantic import BaseModel
+
+from consumers.memory import MemoryDelivery, make_message
+from dedupe import App, Context
+from dedupe.metrics import Metrics
+from dedupe.pipeline import Processor
+from dedupe.store import ClaimRequest, ClaimStore
+
+CH = "work"
+
+
+class Job(BaseModel):
+    n: int
+
+
+def job(key: str, n: int = 1) -> MemoryDelivery:
+    return MemoryDelivery(make_message(CH, json.dumps({"n": n}), message_id=key))
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float:
+    found = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if found is None else found
+
+
+def shop(calls: list[str], **options: object) -> App:
+    app = App("m")
+
+    @app.handler(CH, max_attempts=2, backoff_s=0.01, **options)  # type: ignore[arg-type]
+    async def work(payload: Job, ctx: Context) -> None:
+        calls.append(ctx.key)
+        if payload.n < 0:
+            raise RuntimeError("negative")
+
+    return app
+
+
+async def test_messages_are_counted_by_handler_and_outcome(store: ClaimStore) -> None:
+    """Completed, duplicate, conflict and dead-lettered messages each have their counter."""
+    metrics = Metrics()
+    async with Processor(shop([]), store, observers=[metrics]) as processor:
+        metrics.watch_processor(processor)
+        await processor.process(CH, [job("a"), job("b")])
+        await processor.process(CH, [job("a")])  # duplicate
+        await processor.process(CH, [job("a", n=2)])  # same key, other payload
+        await processor.process(CH, [job("c", n=-1)])  # fails twice, dead-lettered
+    assert value(metrics, "dedupe_messages_total", handler="work", outcome="completed") == 2
+    assert value(metrics, "dedupe_messages_total", handler="work", outcome="duplicate") == 1
+    assert value(metrics, "dedupe_messages_total", handler="work", outcome="conflict") == 1
+    assert value(metrics, "dedupe_messages_total", handler="work", outcome="dead_lettered") == 1
+    assert value(metrics, "dedupe_retries_total") == 1
+    assert value(metrics, "dedupe_dead_letters_total", reason="max_attempts_exceeded") == 1
+    assert value(metrics, "dedupe_dead_letters_total", reason="key_conflict") == 1
+    assert value(metrics, "dedupe_in_flight") == 0
+    # one claim statement per batch, and one handler run per attempt
+    assert value(metrics, "dedupe_claim_seconds_count", handler="work") == 4
+    assert value(metrics, "dedupe_handler_seconds_count", handler="work", result="ok") == 2
+    assert value(metrics, "dedupe_handler_seconds_count", handler="work", result="error") == 2
+    assert value(metrics, "dedupe_claim_seconds_bucket", handler="work", le="0.001") <= 4
+
+
+async def test_take_overs_and_fenced_completions_are_counted(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A key claimed from a dead worker is a take-over; a completion after losing it is fenced."""
+    metrics = Metrics()
+    message = job("dead").message
+    await store.claim_batch(
+        [ClaimRequest("m.work", "dead", message.payload_hash)], lease_s=0.1, retention_s=3600
+    )
+    await asyncio.sleep(0.2)
+    app = App("m")
+    started, go_on = asyncio.Event(), asyncio.Event()
+
+    @app.handler(CH, lease_s=30)
+    async def work(payload: Job, ctx: Context) -> None:
+        if ctx.key == "zombie":
+            started.set()
+            await go_on.wait()
+
+    async with Processor(app, store, observers=[metrics], heartbeat_s=3600) as processor:
+        metrics.watch_processor(processor)
+        await processor.process(CH, [job("dead")])
+        running = asyncio.create_task(processor.process(CH, [job("zombie")]))
+        await asyncio.wait_for(started.wait(), 5)
+        # another worker takes the key over meanwhile: the token moves on
+        await db.execute("UPDATE dedupe_claims SET token = token + 1 WHERE key = 'zombie'")
+        go_on.set()
+        await running
+    assert value(metrics, "dedupe_lease_takeovers_total") == 1
+    assert value(metrics, "dedupe_fenced_completions_total") == 1
+
+
+async def test_the_claims_table_gauges_show_stuck_work_and_clean_up_lag(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """The oldest in-progress claim's age, lapsed leases and clean-up lag come from the table."""
+    metrics = Metrics()
+    await metrics.check_claims(store)
+    assert value(metrics, "dedupe_oldest_in_progress_age_seconds") == 0
+    assert value(metrics, "dedupe_cleanup_lag_seconds") == 0
+    await db.execute(
+        """INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, lease_until,
+                                      created_at, expires_at)
+           VALUES ('m.work', 'stuck', '\\x00', 'in_progress', 'w', now() - interval '1 minute',
+                   now() - interval '10 minutes', now() + interval '1 day'),
+                  ('m.work', 'old', '\\x00', 'completed', 'w', NULL,
+                   now() - interval '2 days', now() - interval '1 hour')"""
+    )
+    await metrics.check_claims(store)
+    assert 599 < value(metrics, "dedupe_oldest_in_progress_age_seconds") < 700
+    assert value(metrics, "dedupe_stuck_claims") == 1
+    assert 3599 < value(metrics, "dedupe_cleanup_lag_seconds") < 3700
+    await store.gc()
+    await metrics.check_claims(store)
+    assert value(metrics, "dedupe_cleanup_lag_seconds") == 0
+
+
+async def test_the_metrics_endpoint_serves_the_prometheus_text_format(store: ClaimStore) -> None:
+    """Metrics.serve answers /metrics over HTTP with the counters in Prometheus text."""
+    metrics = Metrics()
+    async with Processor(shop([]), store, observers=[metrics]) as processor:
+        metrics.watch_processor(processor)
+        await processor.process(CH, [job("a")])
+        served = metrics.serve("127.0.0.1", 0)
+        try:
+            async with httpx.AsyncClient() as client:
+                response = await client.get(f"http://127.0.0.1:{served.port}/metrics")
+        finally:
+            served.stop()
+    assert response.status_code == 200
+    assert 'dedupe_messages_total{handler="work",outcome="completed"} 1.0' in response.text
+    assert "dedupe_in_flight 0.0" in response.text
