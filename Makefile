@@ -50,6 +50,17 @@ chaos: install services  ## the large chaos run: N=100,000 messages, 50 faults p
 	$(BIN)/python -m pytest tests/chaos -q --timeout=0 $(PYTEST_ARGS)
 	@echo; echo "table rows (.services/chaos-report.md):"; cat .services/chaos-report.md
 
+BENCH_N ?= 20000
+.PHONY: bench bench-memory
+
+bench: install services  ## benchmarks side by side, as ratios (BENCH_N=20000; about 10 min)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	BENCH_N=$(BENCH_N) $(BIN)/python -m bench.run
+
+bench-memory: install services  ## resident memory of one worker over 1,000,000 messages
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.run --memory --n $${BENCH_MEMORY_N:-1000000}
+
 lint: install  ## ruff format check, ruff lint, mypy --strict
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .

@@ -1,0 +1,585 @@
+"""Benchmarks of dedupe-worker against the raw clients and the hand-written alternative.
+
+    .venv/bin/python -m bench.run [--n 20000] [--only rabbit,kafka,dup,latency,gc,workers]
+    .venv/bin/python -m bench.run --memory [--n 1000000]
+
+Every scenario runs in one go, side by side, and is reported as a ratio to its baseline
+(absolute figures on a shared two-core machine are noise). Each consumer is its own process
+(bench/worker.py) reading a backlog published beforehand; a fresh database per scenario, its
+own queues and topics, all removed at the end. Only 127.0.0.1 services; every loop is bounded.
+Writes bench/results/latest.json and prints a Markdown report (copied into BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import asyncpg  # noqa: E402
+
+from dedupe.store import migrate  # noqa: E402
+
+ADMIN_URL = os.environ.get(
+    "DEDUPE_DATABASE_URL", "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
+)
+AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+KAFKA_URL = os.environ.get("BENCH_KAFKA_URL", "kafka://127.0.0.1:9092")
+RUN = uuid.uuid4().hex[:8]
+RESULTS = ROOT / "bench" / "results"
+
+
+def db_url(name: str) -> str:
+    return f"{ADMIN_URL.rpartition('/')[0]}/{name}"
+
+
+@contextlib.asynccontextmanager
+async def fresh_database() -> AsyncIterator[str]:
+    """A migrated database with the handlers' tables, dropped afterwards."""
+    name = f"bench_{RUN}_{uuid.uuid4().hex[:6]}"
+    admin = await asyncpg.connect(ADMIN_URL)
+    try:
+        await admin.execute(f"CREATE DATABASE {name}")
+    finally:
+        await admin.close()
+    url = db_url(name)
+    try:
+        await migrate(url)
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(
+                "CREATE TABLE bench_rows (id text PRIMARY KEY);"
+                "CREATE TABLE bench_processed (key text PRIMARY KEY,"
+                " processed_at timestamptz NOT NULL DEFAULT now())"
+            )
+        finally:
+            await conn.close()
+        yield url
+    finally:
+        admin = await asyncpg.connect(ADMIN_URL)
+        try:
+            await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        finally:
+            await admin.close()
+
+
+def body(i: int) -> bytes:
+    return b'{"n": %d, "pad": "................................"}' % i
+
+
+# -- brokers --------------------------------------------------------------------------------
+
+
+async def rabbit_publish(queue: str, ids: list[str]) -> None:
+    from consumers.rabbitmq import publish
+
+    await publish(AMQP_URL, queue, [(body(i), {}, mid) for i, mid in enumerate(ids)])
+
+
+async def rabbit_delete(queues: list[str]) -> None:
+    import aio_pika
+
+    from consumers.rabbitmq import delay_name
+    from dedupe.transport import dlq_name
+
+    connection = await aio_pika.connect(AMQP_URL, timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        for q in queues:
+            for name in (q, dlq_name(q), delay_name(q)):
+                with contextlib.suppress(Exception):
+                    await channel.queue_delete(name)
+
+
+async def kafka_publish(topic: str, ids: list[str]) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    from consumers.kafka_clients import KafkaOptions, ensure_topics
+    from dedupe.transport import dlq_name
+
+    options = KafkaOptions.from_url(KAFKA_URL)
+    await ensure_topics(options, [topic, dlq_name(topic)])
+    producer = AIOKafkaProducer(
+        bootstrap_servers=options.bootstrap_servers, acks="all", linger_ms=5
+    )
+    await producer.start()
+    try:
+        for start in range(0, len(ids), 5000):
+            futures = [
+                await producer.send(
+                    topic,
+                    body(i),
+                    key=mid.encode(),
+                    headers=[("message-id", mid.encode())],
+                )
+                for i, mid in enumerate(ids[start : start + 5000], start)
+            ]
+            await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def kafka_delete(topics: list[str]) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from dedupe.transport import dlq_name
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=KAFKA_URL.removeprefix("kafka://"))
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        doomed = [t for t in topics + [dlq_name(t) for t in topics] if t in existing]
+        if doomed:
+            with contextlib.suppress(Exception):
+                await admin.delete_topics(doomed)
+    finally:
+        await admin.close()
+
+
+# -- running workers ------------------------------------------------------------------------
+
+
+class Worker:
+    """A bench/worker.py process; `result()` waits for its JSON line."""
+
+    def __init__(self, kind: str, channel: str, db: str, **opts: Any) -> None:
+        cmd = [sys.executable, "-m", "bench.worker", kind, "--channel", channel, "--db", db]
+        for name, value in opts.items():
+            flag = "--" + name.replace("_", "-")
+            if value is True:
+                cmd.append(flag)
+            elif value not in (None, False):
+                cmd += [flag, str(value)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+
+    async def ready(self, timeout_s: float = 60) -> None:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), timeout_s)
+        if "READY" not in line:
+            raise RuntimeError(f"worker did not start: {line!r}")
+
+    async def result(self, timeout_s: float = 900) -> dict[str, Any]:
+        out, _ = await asyncio.wait_for(asyncio.to_thread(self.proc.communicate), timeout_s)
+        lines = [x for x in out.splitlines() if x.startswith("{")]
+        if not lines:
+            raise RuntimeError(f"worker gave no result (exit {self.proc.returncode})")
+        return dict(json.loads(lines[-1]))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+
+def rate(result: dict[str, Any]) -> float:
+    span = (result["last"] or 0) - (result["first"] or 0)
+    return result["count"] / span if span > 0 else 0.0
+
+
+def broker_of(kind: str) -> str:
+    return KAFKA_URL if kind.startswith("kafka") else AMQP_URL
+
+
+async def backlog_run(
+    kind: str,
+    n: int,
+    handler: str,
+    *,
+    db: str | None = None,
+    ids: list[str] | None = None,
+    **opts: Any,
+) -> dict[str, Any]:
+    """Publish n messages, then time one worker of `kind` through them."""
+    channel = f"bench-{RUN}-{kind}-{handler}-{uuid.uuid4().hex[:4]}"
+    ids = ids or [f"{channel}-{i}" for i in range(n)]
+    async with contextlib.AsyncExitStack() as stack:
+        if db is None:
+            db = await stack.enter_async_context(fresh_database())
+        try:
+            if kind.startswith("kafka"):
+                await kafka_publish(channel, ids)
+            else:
+                await rabbit_publish(channel, ids)
+            worker = Worker(
+                kind,
+                channel,
+                db,
+                n=len(ids),
+                handler=handler,
+                broker=broker_of(kind),
+                group=f"g-{channel}",
+                **opts,
+            )
+            result = await worker.result()
+        finally:
+            if kind.startswith("kafka"):
+                await kafka_delete([channel])
+            else:
+                await rabbit_delete([channel])
+    result["rate"] = round(rate(result), 1)
+    result["n"] = len(ids)
+    print(f"  {kind:18} {handler:7} {result['rate']:>10.0f} msg/s", flush=True)
+    return result
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+
+async def throughput(broker: str, n: int, report: dict[str, Any], uvloop: bool) -> None:
+    kinds = {
+        "rabbit": ["rabbit-raw", "rabbit-dedupe", "rabbit-naive", "rabbit-faststream"],
+        "kafka": ["kafka-raw", "kafka-dedupe", "kafka-naive"],
+    }[broker]
+    out: dict[str, Any] = {}
+    for handler in ("noop", "insert"):
+        for kind in kinds:
+            # The naive consumers commit once per message: fewer messages keep them bounded.
+            size = n if "naive" not in kind and "faststream" not in kind else max(n // 4, 1000)
+            out[f"{kind}/{handler}"] = await backlog_run(kind, size, handler, uvloop=uvloop)
+    # The same worker on the other event loop: does uvloop earn its place?
+    dedupe = f"{broker}-dedupe"
+    other = await backlog_run(dedupe, n, "noop", uvloop=not uvloop)
+    out[f"{dedupe}/noop/{'asyncio' if uvloop else 'uvloop'}"] = other
+    if broker == "kafka":
+        async with fresh_database() as db:
+            loop = Worker("sql-loop", "none", db, n=n, prefetch=64, sql_loops=4)
+            res = await loop.result()
+            res["rate"] = round(rate(res), 1)
+            print(f"  {'sql-loop':18} {'-':7} {res['rate']:>10.0f} msg/s", flush=True)
+            out["sql-loop"] = res
+    report[f"throughput_{broker}"] = out
+
+
+async def duplicates(n: int, report: dict[str, Any], uvloop: bool) -> None:
+    """New keys, then the very same keys again (a replay): duplicates rate / new rate."""
+    out: dict[str, Any] = {}
+    for kind in ("rabbit-dedupe", "kafka-dedupe"):
+        async with fresh_database() as db:
+            ids = [f"dup-{RUN}-{i}" for i in range(n)]
+            new = await backlog_run(kind, n, "noop", db=db, ids=ids, uvloop=uvloop)
+            dup = await backlog_run(kind, n, "noop", db=db, ids=ids, uvloop=uvloop)
+        out[kind] = {"new": new["rate"], "duplicates": dup["rate"], "stats": dup.get("stats")}
+    report["duplicates"] = out
+
+
+async def latency(n: int, report: dict[str, Any], uvloop: bool, rates: dict[str, float]) -> None:
+    """p50/p99 publish-to-settled at half of dedupe-worker's measured maximum; raw alongside."""
+    out: dict[str, Any] = {}
+    duration_s = float(os.environ.get("BENCH_LATENCY_S", "10"))
+    for broker, kinds in (
+        ("rabbit", ["rabbit-raw", "rabbit-dedupe"]),
+        ("kafka", ["kafka-raw", "kafka-dedupe"]),
+    ):
+        target = max(100.0, rates.get(broker, 2000.0) / 2)
+        for kind in kinds:
+            out[f"{kind}"] = await paced_run(kind, target, duration_s, uvloop)
+            out[f"{kind}"]["target_rate"] = round(target)
+    report["latency"] = out
+
+
+async def paced_run(kind: str, target: float, duration_s: float, uvloop: bool) -> dict[str, Any]:
+    channel = f"bench-{RUN}-lat-{kind}-{uuid.uuid4().hex[:4]}"
+    total = int(target * duration_s)
+    async with fresh_database() as db:
+        try:
+            if kind.startswith("kafka"):
+                from consumers.kafka_clients import KafkaOptions, ensure_topics
+                from dedupe.transport import dlq_name
+
+                await ensure_topics(KafkaOptions.from_url(KAFKA_URL), [channel, dlq_name(channel)])
+            else:
+                await rabbit_publish(channel, [])
+            worker = Worker(
+                kind,
+                channel,
+                db,
+                latency=True,
+                handler="noop",
+                broker=broker_of(kind),
+                group=f"g-{channel}",
+                uvloop=uvloop,
+            )
+            await worker.ready()
+            await asyncio.sleep(3 if kind.startswith("kafka") else 0.5)  # group join
+            sent = await pace(kind, channel, target, total)
+            await asyncio.sleep(2)
+            worker.stop()
+            result = await worker.result()
+        finally:
+            if kind.startswith("kafka"):
+                await kafka_delete([channel])
+            else:
+                await rabbit_delete([channel])
+    result.pop("rss_mb", None)
+    result["sent"] = sent
+    print(
+        f"  {kind:18} p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms at {target:.0f}/s",
+        flush=True,
+    )
+    return result
+
+
+async def pace(kind: str, channel: str, target: float, total: int) -> int:
+    """Publish `total` messages at `target` per second in 10 ms ticks; body = send time."""
+    tick = 0.01
+    per_tick = max(1, round(target * tick))
+    sent = 0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    if kind.startswith("kafka"):
+        from aiokafka import AIOKafkaProducer
+
+        producer = AIOKafkaProducer(
+            bootstrap_servers=KAFKA_URL.removeprefix("kafka://"), acks=1, linger_ms=0
+        )
+        await producer.start()
+        try:
+            while sent < total:
+                for _ in range(per_tick):
+                    mid = f"{channel}-{sent}".encode()
+                    await producer.send(
+                        channel, b"t%.6f" % time.time(), key=mid, headers=[("message-id", mid)]
+                    )
+                    sent += 1
+                await asyncio.sleep(max(0.0, start + sent / target - loop.time()))
+        finally:
+            await producer.stop()
+        return sent
+    import aio_pika
+
+    connection = await aio_pika.connect(AMQP_URL)
+    async with connection:
+        amqp = await connection.channel(publisher_confirms=False)
+        while sent < total:
+            for _ in range(per_tick):
+                await amqp.default_exchange.publish(
+                    aio_pika.Message(b"t%.6f" % time.time(), message_id=f"{channel}-{sent}"),
+                    routing_key=channel,
+                )
+                sent += 1
+            await asyncio.sleep(max(0.0, start + sent / target - loop.time()))
+    return sent
+
+
+async def gc_while_running(n: int, expired: int, report: dict[str, Any], uvloop: bool) -> None:
+    """Expired claims deleted per second by `ClaimStore.gc` while a worker takes new ones."""
+    from dedupe.store import ClaimStore, connect_pool
+
+    async with fresh_database() as db:
+        conn = await asyncpg.connect(db)
+        try:
+            await conn.execute(
+                "INSERT INTO dedupe_claims (scope, key, payload_hash, status, token, owner,"
+                " attempts, expires_at) SELECT 'bench.old', 'k' || g, '\\x00', 'completed', 1,"
+                " 'bench', 1, now() - interval '1 hour' FROM generate_series(1, $1) g",
+                expired,
+            )
+            await conn.execute("VACUUM ANALYZE dedupe_claims")
+        finally:
+            await conn.close()
+        pool = await connect_pool(db, max_size=2)
+        store = ClaimStore(pool, owner="bench-gc")
+        deleted = 0
+        spans: list[float] = []
+
+        async def clean() -> None:
+            nonlocal deleted
+            while deleted < expired:
+                began = time.monotonic()
+                got = await store.gc()
+                spans.append(time.monotonic() - began)
+                deleted += got or 0
+                if not got:
+                    await asyncio.sleep(0.05)
+
+        async with pool:
+            began = time.monotonic()
+            cleaner = asyncio.create_task(clean())
+            worker = await backlog_run("rabbit-dedupe", n, "noop", db=db, uvloop=uvloop)
+            cleaned_during = deleted
+            await asyncio.wait_for(cleaner, 600)
+            took = sum(spans)
+    report["gc"] = {
+        "expired": expired,
+        "deleted": deleted,
+        "gc_rate": round(deleted / took, 1) if took else None,
+        "deleted_while_worker_ran": cleaned_during,
+        "worker_rate": worker["rate"],
+        "wall_s": round(time.monotonic() - began, 2),
+    }
+    print(f"  gc: {report['gc']}", flush=True)
+
+
+async def workers(n: int, report: dict[str, Any], uvloop: bool) -> None:
+    """1, 2 and 4 worker processes on one backlog; rate from the claims' own timestamps."""
+    out: dict[str, Any] = {}
+    for kind in ("rabbit-dedupe", "kafka-dedupe"):
+        for count in (1, 2, 4):
+            channel = f"bench-{RUN}-w{count}-{kind}-{uuid.uuid4().hex[:4]}"
+            ids = [f"{channel}-{i}" for i in range(n)]
+            async with fresh_database() as db:
+                try:
+                    if kind.startswith("kafka"):
+                        await kafka_publish(channel, ids)
+                    else:
+                        await rabbit_publish(channel, ids)
+                    procs = [
+                        Worker(
+                            kind,
+                            channel,
+                            db,
+                            handler="noop",
+                            broker=broker_of(kind),
+                            group=f"g-{channel}",
+                            uvloop=uvloop,
+                            time_limit_s=300,
+                        )
+                        for _ in range(count)
+                    ]
+                    conn = await asyncpg.connect(db)
+                    try:
+                        deadline = time.monotonic() + 300
+                        while time.monotonic() < deadline:
+                            done = await conn.fetchval(
+                                "SELECT count(*) FROM dedupe_claims WHERE status = 'completed'"
+                            )
+                            if done >= n:
+                                break
+                            await asyncio.sleep(0.2)
+                        span = await conn.fetchval(
+                            "SELECT extract(epoch FROM max(updated_at) - min(created_at))"
+                            " FROM dedupe_claims"
+                        )
+                    finally:
+                        await conn.close()
+                        for p in procs:
+                            p.stop()
+                    results = [await p.result() for p in procs]
+                finally:
+                    if kind.startswith("kafka"):
+                        await kafka_delete([channel])
+                    else:
+                        await rabbit_delete([channel])
+            r = round(n / float(span), 1) if span else 0.0
+            out[f"{kind}/{count}"] = {"rate": r, "counts": [x["count"] for x in results]}
+            print(f"  {kind:18} x{count} {r:>10.0f} msg/s", flush=True)
+    report["workers"] = out
+
+
+async def memory(n: int, report: dict[str, Any], uvloop: bool) -> None:
+    """RSS of one Kafka worker across n messages (sampled every 2 s)."""
+    result = await backlog_run(
+        "kafka-dedupe", n, "noop", uvloop=uvloop, rss_every_s=2, time_limit_s=3600
+    )
+    report["memory"] = {
+        "n": n,
+        "rate": result["rate"],
+        "rss_mb": result["rss_mb"],
+        "max_rss_mb": result["max_rss_mb"],
+    }
+
+
+def machine() -> dict[str, Any]:
+    def cmd(*args: str) -> str:
+        with contextlib.suppress(Exception):
+            return subprocess.run(args, capture_output=True, text=True, timeout=10).stdout.strip()
+        return "?"
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "cpu": next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "?",
+        ),
+        "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "postgres": cmd("psql", ADMIN_URL, "-Atc", "SHOW server_version"),
+        "load_before": os.getloadavg(),
+    }
+
+
+async def main(args: argparse.Namespace) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "n": args.n,
+        "uvloop": args.uvloop,
+        "command": " ".join(sys.argv),
+    }
+    started = time.monotonic()
+    if args.memory:
+        print(f"memory: {args.n} messages", flush=True)
+        await memory(args.n, report, args.uvloop)
+        path = RESULTS / "memory.json"
+    else:
+        only = set(args.only.split(","))
+        if "rabbit" in only:
+            print("RabbitMQ throughput", flush=True)
+            await throughput("rabbit", args.n, report, args.uvloop)
+        if "kafka" in only:
+            print("Kafka throughput", flush=True)
+            await throughput("kafka", args.n, report, args.uvloop)
+        if "dup" in only:
+            print("duplicates", flush=True)
+            await duplicates(args.n, report, args.uvloop)
+        if "latency" in only:
+            print("latency at half load", flush=True)
+            rates = {
+                "rabbit": report.get("throughput_rabbit", {})
+                .get("rabbit-dedupe/noop", {})
+                .get("rate", 4000.0),
+                "kafka": report.get("throughput_kafka", {})
+                .get("kafka-dedupe/noop", {})
+                .get("rate", 8000.0),
+            }
+            await latency(args.n, report, args.uvloop, rates)
+        if "gc" in only:
+            print("clean-up while running", flush=True)
+            await gc_while_running(args.n, args.expired, report, args.uvloop)
+        if "workers" in only:
+            print("worker processes", flush=True)
+            await workers(args.n, report, args.uvloop)
+        path = RESULTS / "latest.json"
+    report["machine"]["load_after"] = os.getloadavg()
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    path.write_text(json.dumps(report, indent=1))
+    from bench.report import render
+
+    print(render(report))
+    print(f"\n(results in {path.relative_to(ROOT)}; {report['wall_s']} s)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="dedupe-worker benchmarks")
+    parser.add_argument("--n", type=int, default=int(os.environ.get("BENCH_N", "20000")))
+    parser.add_argument(
+        "--only", default=os.environ.get("BENCH_ONLY", "rabbit,kafka,dup,latency,gc,workers")
+    )
+    parser.add_argument(
+        "--expired", type=int, default=int(os.environ.get("BENCH_EXPIRED", "100000"))
+    )
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument(
+        "--uvloop",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("BENCH_UVLOOP", "1") == "1",
+    )
+    asyncio.run(main(parser.parse_args()))
