@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -142,8 +144,9 @@ def make_broker(kind: str) -> Any:
 class Workers:
     """`dedupe-worker run handlers.payments:app` processes with their logs in .services/demo."""
 
-    def __init__(self, broker_url: str) -> None:
+    def __init__(self, broker_url: str, metrics_port: int = 0) -> None:
         self.broker_url = broker_url
+        self.metrics_port = metrics_port  # worker n serves /metrics on metrics_port + n
         self.procs: list[subprocess.Popen[bytes]] = []
         LOGS.mkdir(parents=True, exist_ok=True)
 
@@ -155,6 +158,8 @@ class Workers:
             "DEDUPE_BROKER_URL": self.broker_url,
             "DEDUPE_STATS_INTERVAL_S": "1",
             "DEDUPE_WORKER_NAME": f"demo-worker-{n}",
+            "DEDUPE_METRICS_PORT": str(self.metrics_port + n if self.metrics_port else 0),
+            "DEDUPE_METRICS_INTERVAL_S": "1",
         }
         log = open(LOGS / f"worker-{n}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
@@ -174,6 +179,19 @@ class Workers:
         )
         self.procs.append(proc)
         return proc
+
+    def save_metrics(self) -> list[Path]:
+        """Each live worker's /metrics, saved next to its log (before the workers stop)."""
+        saved = []
+        for n, proc in enumerate(self.procs):
+            if not self.metrics_port or proc.poll() is not None:
+                continue
+            url = f"http://127.0.0.1:{self.metrics_port + n}/metrics"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as reply:
+                path = LOGS / f"metrics-worker-{n}.txt"
+                path.write_bytes(reply.read())
+                saved.append(path)
+        return saved
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -217,7 +235,7 @@ async def run(args: argparse.Namespace) -> int:
     burst = workload(
         args.seed, args.unique, args.duplicates, args.conflicts, args.invalid, args.poison
     )
-    workers = Workers(broker.url)
+    workers = Workers(broker.url, args.metrics_port)
     workers.start()
     workers.start()
     say(f"two workers started (logs in {LOGS.relative_to(ROOT)}/)")
@@ -262,6 +280,8 @@ async def run(args: argparse.Namespace) -> int:
                 return 1
             await asyncio.sleep(0.25)
         elapsed = time.monotonic() - began
+        await asyncio.sleep(1.5)  # one more round of the claims-table gauges
+        metrics_files = await asyncio.to_thread(workers.save_metrics)
         workers.stop()
         charges, distinct = await db.fetchrow(
             "SELECT count(*), count(DISTINCT payment_id) FROM charges"
@@ -320,6 +340,9 @@ async def run(args: argparse.Namespace) -> int:
     print(f'  psql {demo_url()} -c "SELECT status, count(*) FROM dedupe_claims GROUP BY 1"')
     print(f'  psql {demo_url()} -c "SELECT count(DISTINCT idempotency_key) FROM provider_calls"')
     print(f"  .venv/bin/dedupe-worker dlq list {CHANNEL}" if broker.name == "RabbitMQ" else "")
+    print(f"  DEDUPE_DATABASE_URL={demo_url()} .venv/bin/dedupe-worker status")
+    for path in metrics_files:
+        print(f"  grep ^dedupe_ {path.relative_to(ROOT)}  # a worker's /metrics before it stopped")
     print()
     print(
         "RESULT: " + ("every valid payment charged exactly once" if ok else "MISMATCH, see above")
@@ -340,6 +363,12 @@ def main() -> int:
     parser.add_argument("--kill-after", type=int, default=200, help="charges before the SIGKILL")
     parser.add_argument("--timeout-s", type=float, default=180)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9100,
+        help="worker n serves /metrics on this + n; 0 = off",
+    )
     return asyncio.run(run(parser.parse_args()))
 
 
