@@ -166,7 +166,10 @@ class KafkaTransport(Transport):
         try:
             while not stop.is_set():
                 try:
-                    batches = await consumer.getmany(timeout_ms=100)
+                    # A partition resumed while getmany waits is not fetched until the wait
+                    # ends: while any partition is paused, wait briefly and ask again.
+                    busy = any(p.busy for p in self._partitions.values())
+                    batches = await consumer.getmany(timeout_ms=5 if busy else 100)
                 except KafkaError as exc:
                     if not getattr(exc, "retriable", False):
                         raise

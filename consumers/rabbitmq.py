@@ -141,6 +141,92 @@ class RabbitDelivery:
             return False
 
 
+class _Acks:
+    """Acknowledges settled deliveries with one multiple-ack per run of consecutive tags.
+
+    Settling marks a delivery tag done; once per loop iteration the longest done prefix of each
+    AMQP channel's tags goes out as one `basic.ack(multiple=True)`. A done tag stuck behind one
+    still running is acked on its own after `LATE_S`, so a slow handler never holds back the
+    others' prefetch slots for longer. A lost ack frame means a redelivery, which the claims
+    turn into a duplicate: the same as an ack lost on the wire.
+    """
+
+    LATE_S = 0.05
+
+    def __init__(self) -> None:
+        self._tags: dict[Any, dict[int, bool]] = {}  # AMQP channel -> {tag: done}, in order
+        self._due = False
+        self._late: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def delivered(self, incoming: AbstractIncomingMessage) -> None:
+        if incoming.delivery_tag is not None:
+            self._tags.setdefault(incoming.channel, {})[incoming.delivery_tag] = False
+
+    def forget(self, incoming: AbstractIncomingMessage) -> None:
+        """The delivery is settled some other way (nack): no longer part of a run."""
+        self._tags.get(incoming.channel, {}).pop(incoming.delivery_tag or 0, None)
+
+    def ack(self, incoming: AbstractIncomingMessage) -> bool:
+        """Mark the delivery acked; False when it is not tracked (ack it directly)."""
+        tags = self._tags.get(incoming.channel)
+        if tags is None or incoming.delivery_tag not in tags:
+            return False
+        tags[incoming.delivery_tag] = True
+        self._wake()
+        return True
+
+    def _wake(self) -> None:
+        self._due = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._flush(), name="rabbitmq-acks")
+
+    async def _flush(self, *, late: bool = False) -> None:
+        while self._due:
+            self._due = False
+            for channel, tags in list(self._tags.items()):
+                last = None
+                while tags:
+                    tag = next(iter(tags))
+                    if not tags[tag]:
+                        break
+                    del tags[tag]
+                    last = tag
+                single = [tag for tag, done in tags.items() if done] if late else []
+                for tag in single:
+                    del tags[tag]
+                if not tags and channel.is_closed:
+                    del self._tags[channel]
+                try:
+                    if last is not None:
+                        await channel.basic_ack(delivery_tag=last, multiple=True)
+                    for tag in single:
+                        await channel.basic_ack(delivery_tag=tag)
+                except Exception as exc:
+                    # The channel is gone: the broker delivers these again.
+                    logger.warning("could not acknowledge deliveries (%s); they come again", exc)
+                if tags and any(tags.values()) and self._late is None:
+                    self._late = asyncio.get_running_loop().call_later(self.LATE_S, self._lately)
+            late = False
+
+    def _lately(self) -> None:
+        self._late = None
+        self._due = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._flush(late=True), name="rabbitmq-acks")
+        else:
+            self._late = asyncio.get_running_loop().call_later(self.LATE_S, self._lately)
+
+    async def drain(self) -> None:
+        if self._late is not None:
+            self._late.cancel()
+            self._late = None
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._due = True
+        await self._flush(late=True)
+
+
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("processing a batch failed", exc_info=task.exception())
@@ -164,6 +250,7 @@ class RabbitMQTransport(Transport):
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._publish_channel: AbstractChannel | None = None
+        self._acks = _Acks()
 
     async def connect(self) -> None:
         if self._connection is None:
@@ -191,7 +278,15 @@ class RabbitMQTransport(Transport):
             queue = await declare_channel(self._channel, name)
             inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
             inboxes[name] = inbox
-            tag = await queue.consume(inbox.put, no_ack=False)
+
+            async def arrived(
+                incoming: AbstractIncomingMessage,
+                inbox: asyncio.Queue[AbstractIncomingMessage] = inbox,
+            ) -> None:
+                self._acks.delivered(incoming)
+                inbox.put_nowait(incoming)
+
+            tag = await queue.consume(arrived, no_ack=False)
             consumers.append((queue, tag))
         logger.info("consuming %s (prefetch %d)", ", ".join(channels), self.prefetch)
         processing: set[asyncio.Task[None]] = set()
@@ -213,10 +308,13 @@ class RabbitMQTransport(Transport):
             # Deliveries that reached us but were never started go straight back.
             for inbox in inboxes.values():
                 while not inbox.empty():
+                    incoming = inbox.get_nowait()
+                    self._acks.forget(incoming)
                     with contextlib.suppress(Exception):
-                        await inbox.get_nowait().nack(requeue=True)
+                        await incoming.nack(requeue=True)
             if processing:
                 await asyncio.gather(*processing, return_exceptions=True)
+            await self._acks.drain()
 
     async def _dispatch(
         self,
@@ -241,12 +339,12 @@ class RabbitMQTransport(Transport):
         if settlement.action is Action.ACK:
             if settlement.result is not None and incoming.reply_to:
                 await self._reply(incoming, settlement.result)
-            await incoming.ack()
+            await self._ack(incoming)
         elif settlement.action is Action.DEAD_LETTER:
             headers: dict[str, Any] = dict(incoming.headers or {})
             headers.update(dead_letter_headers(settlement))
             await self._publish(copy_of(incoming, headers=headers), dlq_name(delivery.channel))
-            await incoming.ack()
+            await self._ack(incoming)
             logger.warning(
                 "dead-lettered a message from %s to %s: %s (%s)",
                 delivery.channel,
@@ -263,9 +361,17 @@ class RabbitMQTransport(Transport):
             await self._publish(
                 copy_of(incoming, headers=headers, expiration=delay), delay_name(delivery.channel)
             )
-            await incoming.ack()
+            await self._ack(incoming)
         else:
+            self._acks.forget(incoming)
             await incoming.nack(requeue=True)
+
+    async def _ack(self, incoming: AbstractIncomingMessage) -> None:
+        """Acknowledge, in a run with the deliveries settled beside it (one frame for many)."""
+        if incoming.channel.is_closed:
+            raise aio_pika.exceptions.ChannelInvalidStateError("the channel is closed")
+        if not self._acks.ack(incoming):
+            await incoming.ack()
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
         assert self._publish_channel is not None

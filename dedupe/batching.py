@@ -25,9 +25,26 @@ class Batcher(Generic[T, R]):
     async def submit(self, item: T) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
+        self._wake()
+        return await future
+
+    async def submit_many(self, items: Sequence[T]) -> list[R]:
+        """Submit several items at once; they may share a flush with other callers'."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[R]] = [loop.create_future() for _ in items]
+        self._pending.extend(zip(items, futures, strict=True))
+        self._wake()
+        try:
+            return [await future for future in futures]
+        except BaseException:
+            for future in futures:  # no "exception was never retrieved" for the others
+                if future.done() and not future.cancelled():
+                    future.exception()
+            raise
+
+    def _wake(self) -> None:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain(), name="dedupe-batcher")
-        return await future
 
     async def _drain(self) -> None:
         while self._pending:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Sequence
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic_core
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential_jitter
+from tenacity import RetryCallState, wait_exponential_jitter
 
 from .app import STAGES, App, Handler, Hook
 from .batching import Batcher
@@ -137,6 +138,9 @@ class Processor:
         self._gc_interval_s = gc_interval_s
         self._max_defer_s = max_defer_s
         self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
+        # Claims of concurrent batches (one per delivery burst) share statements: whatever
+        # arrives while a claim statement is in flight goes out together in the next one.
+        self._claimers: dict[str, Batcher[ClaimRequest, Claim]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[Any]] = set()
         leases = [h.lease_s for h in app.handlers.values()] or [30.0]
@@ -267,11 +271,7 @@ class Processor:
 
         started = time.perf_counter()
         try:
-            claims = await self.store.claim_batch(
-                [request for _, request in requests],
-                lease_s=handler.lease_s,
-                retention_s=handler.retention_s,
-            )
+            claims = await self._claim(handler, [request for _, request in requests])
             self.observer.claimed(handler.name, time.perf_counter() - started, len(requests))
         except StoreError as exc:
             logger.warning("claim failed, requeueing %d messages: %s", len(messages), exc)
@@ -300,6 +300,42 @@ class Processor:
         key = request.key or settlement.key or derive_key(handler.key_func, message)
         self.observer.settled(handler.name, request.scope, key, message, settlement, started)
         return settlement
+
+    async def _claim(self, handler: Handler, requests: Sequence[ClaimRequest]) -> list[Claim]:
+        """Claim through the handler's batcher (one statement for many concurrent batches)."""
+        if not requests:
+            return []
+        claimer = self._claimers.get(handler.name)
+        if claimer is None:
+
+            async def flush(batch: Sequence[ClaimRequest]) -> list[Claim]:
+                return await self._claim_distinct(handler, batch)
+
+            claimer = self._claimers[handler.name] = Batcher(flush)
+        return await claimer.submit_many(requests)
+
+    async def _claim_distinct(
+        self, handler: Handler, requests: Sequence[ClaimRequest]
+    ) -> list[Claim]:
+        """Claim a flush of requests; a key that two batches share goes in a later statement
+        (one statement cannot claim a key twice), where it meets the first one's claim."""
+        claims: list[Claim | None] = [None] * len(requests)
+        todo = list(range(len(requests)))
+        while todo:
+            seen: set[tuple[str, str]] = set()
+            now: list[int] = []
+            later: list[int] = []
+            for i in todo:
+                ident = (requests[i].scope, requests[i].key)
+                (later if ident in seen else now).append(i)
+                seen.add(ident)
+            got = await self.store.claim_batch(
+                [requests[i] for i in now], lease_s=handler.lease_s, retention_s=handler.retention_s
+            )
+            for i, claim in zip(now, got, strict=True):
+                claims[i] = claim
+            todo = later
+        return [claim for claim in claims if claim is not None]
 
     def _spawn(self, coro: Any) -> asyncio.Task[Settlement]:
         task: asyncio.Task[Settlement] = asyncio.create_task(coro)
@@ -384,7 +420,7 @@ class Processor:
         if claim.taken_over:
             self.stats.taken_over += 1
         log = logging.LoggerAdapter(
-            logging.getLogger(f"dedupe.handler.{handler.name}"),
+            _handler_logger(handler.name),
             {
                 "handler": handler.name,
                 "scope": fence.scope,
@@ -424,9 +460,15 @@ class Processor:
         """Run the handler until it succeeds, fails for good, or runs out of attempts."""
         fence = run.fence
         counted = [attempts]
-        backoff = wait_exponential_jitter(
-            multiplier=handler.backoff_s, max=handler.max_backoff_s, jitter=handler.backoff_s
-        )
+
+        def backoff(state: RetryCallState) -> float:  # built when needed: retries are rare
+            return float(
+                wait_exponential_jitter(
+                    multiplier=handler.backoff_s,
+                    max=handler.max_backoff_s,
+                    jitter=handler.backoff_s,
+                )(state)
+            )
 
         def wait(state: RetryCallState) -> float:
             exc = state.outcome.exception() if state.outcome else None
@@ -457,17 +499,26 @@ class Processor:
             if isinstance(log.extra, dict):
                 log.extra["attempt"] = number  # the lines of the next attempt carry its number
 
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(transient),
-            stop=lambda _state: counted[0] >= handler.max_attempts,
-            wait=wait,
-            before_sleep=record_next_attempt,
-            reraise=True,
-        )
+        async def attempt_until_done() -> str:
+            # tenacity's schedule (wait, before_sleep) without its per-call set-up, which
+            # cost more than the rest of a no-op run; a retry is rare, a first attempt is not.
+            number = 0
+            while True:
+                number += 1
+                try:
+                    return await self._attempt(handler, message, payload, run, counted, log)
+                except Exception as exc:
+                    if not transient(exc) or counted[0] >= handler.max_attempts:
+                        raise
+                    state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
+                    state.attempt_number = number
+                    state.set_exception((type(exc), exc, exc.__traceback__))
+                    delay = wait(state)
+                    await record_next_attempt(state)
+                    await asyncio.sleep(delay)
+
         try:
-            result: str = await retrying(
-                self._attempt, handler, message, payload, run, counted, log
-            )
+            result: str = await attempt_until_done()
         except LeaseLost:
             self.stats.lease_lost += 1
             return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
@@ -634,6 +685,11 @@ def _describe(exc: BaseException | None) -> str:
         return "TimeoutError: handler timed out"
     text = str(exc)
     return f"{exc.__class__.__name__}: {text[:300]}" if text else exc.__class__.__name__
+
+
+@functools.cache
+def _handler_logger(name: str) -> logging.Logger:
+    return logging.getLogger(f"dedupe.handler.{name}")
 
 
 def _ready(settlement: Settlement) -> asyncio.Future[Settlement]:

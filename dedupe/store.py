@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
 from tenacity import (
@@ -124,7 +125,10 @@ class ClaimStore:
                 reraise=True,
             ):
                 with attempt:
-                    return list(await self.pool.fetch(self._q[name], *args))
+                    async with self.pool.acquire() as pooled:
+                        rows = list(await pooled.fetch(self._q[name], *args))
+                        pooled.mark_clean()
+                        return rows
             raise AssertionError("unreachable")  # pragma: no cover
         except TRANSIENT_ERRORS as exc:
             raise StoreError(f"{name} failed: {exc.__class__.__name__}: {exc}") from exc
@@ -282,6 +286,43 @@ class ClaimStore:
         return [dict(row) for row in await self._fetch("count_by_status")]
 
 
+class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
+    """A pooled connection that skips the pool's reset after the store's own statements.
+
+    asyncpg resets every released connection with one more round trip (advisory locks,
+    cursors, LISTEN, session settings). The claim statements touch none of these, so the store
+    marks the connection clean just before releasing it; a connection handed to a handler as
+    `ctx.db`, or used for anything else, is never marked and is reset as usual.
+    """
+
+    _dedupe_clean = False
+
+    def mark_clean(self) -> None:
+        self._dedupe_clean = True
+
+
+async def _reset(conn: asyncpg.Connection) -> None:
+    """The pool's reset, skipped for a connection the store marked clean."""
+    if getattr(conn, "_dedupe_clean", False):
+        conn._dedupe_clean = False
+        return
+    query = conn.get_reset_query()
+    if query:
+        await conn.execute(query)
+
+
+def loopback_without_tls(dsn: str) -> bool:
+    """Whether to connect without TLS: the host is this machine and nothing asks for TLS.
+
+    asyncpg's default `sslmode=prefer` negotiates TLS even on 127.0.0.1, where it only costs
+    CPU (measured in BENCHMARKS.md). An explicit sslmode in the URL or PGSSLMODE wins.
+    """
+    parts = urlsplit(dsn)
+    if "sslmode" in parse_qs(parts.query) or os.environ.get("PGSSLMODE"):
+        return False
+    return parts.hostname in ("127.0.0.1", "::1", "localhost")
+
+
 async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
     """Create a pool or raise StoreError that says how to reach the database."""
     try:
@@ -291,6 +332,9 @@ async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> as
             max_size=max_size,
             timeout=10,
             server_settings={"application_name": "dedupe-worker"},
+            connection_class=StoreConnection,
+            reset=_reset,
+            **({"ssl": False} if loopback_without_tls(dsn) else {}),
         )
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise StoreError(
