@@ -605,8 +605,12 @@ class Processor:
                 raise LeaseLost()
             await self._run_hooks("completed", message, fence)
             return result
+        except BaseException:
+            run.completing = False  # the next attempt may be cancelled again
+            raise
         finally:
-            run.completing = False
+            # A run that completed stays `completing`: a heartbeat that read the leases before
+            # the completion committed must not take the finished run for a lost one.
             await db.close()
 
     async def _run_hooks(self, stage: str, message: Message, fence: Fence) -> None:
@@ -660,7 +664,8 @@ class Processor:
                 logger.warning("heartbeat failed (leases may lapse): %s", exc)
                 continue
             for run in runs:
-                if (run.fence.scope, run.fence.key) not in ours and not run.completing:
+                key = (run.fence.scope, run.fence.key)
+                if key not in ours and not run.completing and self._runs.get(key) is run:
                     run.lost = True
                     run.task.cancel()
 
