@@ -44,8 +44,10 @@ def render(report: dict[str, Any]) -> str:
                     f"{_ratio(ded, rate)} faster with the default loop |"
                 )
         if section == "throughput_kafka" and "sql-loop" in report[section]:
-            rate = _r(report, section, "sql-loop")
-            lines.append(f"| bare batched claim+complete SQL loop | - | {rate:,.0f} | - |")
+            for key in sorted(k for k in report[section] if k.startswith("sql-loop-")):
+                rate = _r(report, section, key)
+                size = key.removeprefix("sql-loop-").replace("x", " keys x ") + " loops"
+                lines.append(f"| bare claim+complete SQL loop ({size}) | - | {rate:,.0f} | - |")
         lines.append("")
 
     table(
