@@ -551,10 +551,10 @@ async def main(args: argparse.Namespace) -> None:
             rates = {
                 "rabbit": report.get("throughput_rabbit", {})
                 .get("rabbit-dedupe/noop", {})
-                .get("rate", 4000.0),
+                .get("rate", float(os.environ.get("BENCH_MAX_RABBIT", "4000"))),
                 "kafka": report.get("throughput_kafka", {})
                 .get("kafka-dedupe/noop", {})
-                .get("rate", 8000.0),
+                .get("rate", float(os.environ.get("BENCH_MAX_KAFKA", "8000"))),
             }
             await latency(args.n, report, args.uvloop, rates)
         if "gc" in only:

@@ -215,7 +215,16 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
                     done = processor.stats.completed + processor.stats.duplicates
                     tally.settled(k=done - tally.count)
 
-            ready = asyncio.get_running_loop().call_later(0.5, print, "READY")
+            async def announce() -> None:
+                # Ready once the broker hands us messages: on Kafka, once partitions are ours
+                # (a latency run must not count the group join as latency).
+                for _ in range(600):  # bounded: a minute
+                    await asyncio.sleep(0.1)
+                    if getattr(transport, "assignment", True):
+                        break
+                print("READY", flush=True)
+
+            ready = asyncio.create_task(announce())
             serving = asyncio.create_task(transport.serve(list(app.channels), process, tally.stop))
             await asyncio.wait(
                 [serving, asyncio.create_task(tally.stop.wait())],
