@@ -4,15 +4,13 @@ every few seconds in one statement each, never per message."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import logging
 from typing import Any
 
 from .errors import StoreError
 from .message import Message
-from .observe import Observer, outcome_of
+from .observe import FlushingObserver, outcome_of
 from .sql import queries
 from .store import ClaimStore
 from .transport import Settlement
@@ -20,7 +18,9 @@ from .transport import Settlement
 logger = logging.getLogger(__name__)
 
 
-class Activity(Observer):
+class Activity(FlushingObserver):
+    task_name = "dedupe-activity"
+
     """An observer (workers) and a counter (receivers) flushed to PostgreSQL periodically."""
 
     def __init__(self, store: ClaimStore, *, interval_s: float = 5.0) -> None:
@@ -29,7 +29,6 @@ class Activity(Observer):
         self._duplicates: collections.Counter[str] = collections.Counter()
         self._conflicts: collections.Counter[str] = collections.Counter()
         self._events: list[tuple[str, str, str, str]] = []
-        self._task: asyncio.Task[None] | None = None
         self._q = queries("operations.sql")
 
     def settled(
@@ -82,24 +81,3 @@ class Activity(Observer):
             self._conflicts.update(conflicts)
             self._events[:0] = events[: 1000 - len(self._events)]
             raise StoreError(f"could not record activity: {exc}") from exc
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.flush()
-            except StoreError as exc:
-                logger.warning("%s", exc)
-
-    async def __aenter__(self) -> Activity:
-        self._task = asyncio.create_task(self._loop(), name="dedupe-activity")
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        with contextlib.suppress(StoreError):
-            await self.flush()

@@ -6,9 +6,13 @@ that needs I/O is buffered and done by the observer's own background task.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
+from typing import Self
 
+from .errors import StoreError
 from .message import Message
 from .transport import Action, Reason, Settlement
 
@@ -123,3 +127,37 @@ class OutcomeLog(Observer):
 
 
 __all__ = ["Observer", "Observers", "OutcomeLog", "outcome_of"]
+
+
+class FlushingObserver(Observer):
+    """An observer that buffers and writes in the background: `flush()` every `interval_s`,
+    and once more when it stops. Use it as an async context manager."""
+
+    task_name = "dedupe-flush"
+    interval_s: float = 5.0
+    _task: asyncio.Task[None] | None = None
+
+    async def flush(self) -> None:
+        """Write what was buffered; raise StoreError when the database refuses."""
+        raise NotImplementedError
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.flush()
+            except StoreError as exc:
+                logging.getLogger(__name__).warning("%s", exc)
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self._loop(), name=self.task_name)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(StoreError):
+            await self.flush()

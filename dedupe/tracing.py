@@ -14,15 +14,13 @@ batched every `interval_s` by a background task, never made per message.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
 
 from .errors import StoreError
 from .message import Message
-from .observe import Observer, outcome_of
+from .observe import FlushingObserver, outcome_of
 from .sql import queries
 from .store import ClaimStore
 from .transport import Settlement
@@ -51,7 +49,9 @@ def tracer_for(
     return Tracing(store, tracer_provider=tracer_provider, interval_s=interval_s)
 
 
-class Tracing(Observer):
+class Tracing(FlushingObserver):
+    task_name = "dedupe-tracing"
+
     """Records a span per settled message; an async context manager for its writer task."""
 
     def __init__(self, store: ClaimStore, *, tracer_provider: Any = None, interval_s: float = 0.5):
@@ -61,7 +61,6 @@ class Tracing(Observer):
         self.tracer = trace.get_tracer("dedupe-worker", tracer_provider=tracer_provider)
         self._completed: list[tuple[str, str, str]] = []
         self._duplicates: list[tuple[str, str, Any]] = []
-        self._task: asyncio.Task[None] | None = None
         self._q = queries("operations.sql")
 
     def settled(
@@ -131,27 +130,6 @@ class Tracing(Observer):
         finally:
             for _, _, span in duplicates:
                 span.end()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.flush()
-            except StoreError as exc:
-                logger.warning("%s", exc)
-
-    async def __aenter__(self) -> Tracing:
-        self._task = asyncio.create_task(self._loop(), name="dedupe-tracing")
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        with contextlib.suppress(StoreError):
-            await self.flush()
 
 
 __all__ = ["Tracing", "available", "tracer_for"]
