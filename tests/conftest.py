@@ -71,7 +71,15 @@ async def db_url(template_db: str) -> AsyncIterator[str]:
     name = f"dedupe_t_{uuid.uuid4().hex[:12]}"
     admin = await asyncpg.connect(ADMIN_URL)
     try:
-        await admin.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+        for attempt in range(10):
+            try:
+                await admin.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+                break
+            except asyncpg.ObjectInUseError:
+                # An autovacuum worker may visit the template for a moment: try again.
+                if attempt == 9:
+                    raise
+                await asyncio.sleep(0.5)
     finally:
         await admin.close()
     yield database_url(name)
