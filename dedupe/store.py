@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -377,7 +377,3 @@ async def migrate(dsn: str) -> list[str]:
     finally:
         await conn.close()
     return applied
-
-
-def fences(claims: Iterable[Claim]) -> list[Fence]:
-    return [Fence(c.scope, c.key, c.token) for c in claims if c.token is not None]
