@@ -210,19 +210,15 @@ async def main() -> int:
 
 
 async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str) -> None:
-    import aio_pika
     import asyncpg
+
+    from consumers.rabbitmq import delete_channels
 
     admin = await asyncpg.connect(admin_url)
     await admin.execute(f"DROP DATABASE IF EXISTS {db_name} WITH (FORCE)")
     await admin.close()
-    connection = await aio_pika.connect(broker)
-    async with connection:
-        amqp = await connection.channel()
-        for channel in make_app(prefix=prefix).channels:
-            for queue in (channel, f"{channel}.dlq", f"{channel}.delay"):
-                with contextlib.suppress(Exception):
-                    await amqp.queue_delete(queue)
+    with contextlib.suppress(Exception):
+        await delete_channels(broker, make_app(prefix=prefix).channels)
 
 
 if __name__ == "__main__":

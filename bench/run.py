@@ -91,18 +91,10 @@ async def rabbit_publish(queue: str, ids: list[str]) -> None:
 
 
 async def rabbit_delete(queues: list[str]) -> None:
-    import aio_pika
+    from consumers.rabbitmq import delete_channels
 
-    from consumers.rabbitmq import delay_name
-    from dedupe.transport import dlq_name
-
-    connection = await aio_pika.connect(AMQP_URL, timeout=10)
-    async with connection:
-        channel = await connection.channel()
-        for q in queues:
-            for name in (q, dlq_name(q), delay_name(q)):
-                with contextlib.suppress(Exception):
-                    await channel.queue_delete(name)
+    with contextlib.suppress(Exception):
+        await delete_channels(AMQP_URL, queues)
 
 
 async def kafka_publish(topic: str, ids: list[str]) -> None:
@@ -134,20 +126,10 @@ async def kafka_publish(topic: str, ids: list[str]) -> None:
 
 
 async def kafka_delete(topics: list[str]) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient
+    from consumers.kafka_clients import delete_channels
 
-    from dedupe.transport import dlq_name
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=KAFKA_URL.removeprefix("kafka://"))
-    await admin.start()
-    try:
-        existing = set(await admin.list_topics())
-        doomed = [t for t in topics + [dlq_name(t) for t in topics] if t in existing]
-        if doomed:
-            with contextlib.suppress(Exception):
-                await admin.delete_topics(doomed)
-    finally:
-        await admin.close()
+    with contextlib.suppress(Exception):
+        await delete_channels(KAFKA_URL, topics)
 
 
 # -- running workers ------------------------------------------------------------------------

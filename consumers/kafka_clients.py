@@ -255,6 +255,20 @@ async def publish(
     return len(messages)
 
 
+async def delete_channels(url: str, channels: Iterable[str]) -> int:
+    """Delete each channel's topics (C and C.dlq) that exist; returns how many were deleted.
+
+    For tests, benchmarks and operators tidying up channels that are gone.
+    """
+    options = KafkaOptions.from_url(url)
+    async with _admin(options) as admin:
+        existing = set(await admin.list_topics())
+        doomed = sorted({n for c in channels for n in (c, dlq_name(c))} & existing)
+        if doomed:
+            await admin.delete_topics(doomed)
+    return len(doomed)
+
+
 # -- inspection (tests, demo, operators) ----------------------------------------------------
 
 

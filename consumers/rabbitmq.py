@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 try:
@@ -480,6 +480,21 @@ async def publish(
         for start in range(0, len(pending), 500):
             await asyncio.gather(*pending[start : start + 500])
     return len(messages)
+
+
+async def delete_channels(url: str, channels: Iterable[str]) -> int:
+    """Delete each channel's queues (C, C.delay, C.dlq) with whatever they hold.
+
+    For tests, benchmarks and operators tidying up channels that are gone; missing queues are
+    no error. Returns how many queue names were deleted.
+    """
+    names = [n for c in channels for n in (c, delay_name(c), dlq_name(c))]
+    connection = await aio_pika.connect(url, timeout=10)
+    async with connection:
+        amqp = await connection.channel()
+        for name in names:
+            await amqp.queue_delete(name)  # RabbitMQ answers delete-ok for a missing queue too
+    return len(names)
 
 
 class RabbitMQPublisher:

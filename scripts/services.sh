@@ -46,7 +46,7 @@ APT_UPDATE_TIMEOUT=300
 APT_INSTALL_TIMEOUT=900
 MVN_TIMEOUT=900
 PG_START_TIMEOUT=90
-RABBIT_START_TIMEOUT=60
+RABBIT_START_TIMEOUT=120
 KAFKA_START_TIMEOUT=90
 KAFKA_STOP_TIMEOUT=30
 
@@ -269,26 +269,55 @@ rabbit_cookie() {
   fi
 }
 
+# The Debian wrapper /usr/sbin/rabbitmq-server starts the node through `su`, whose PAM session
+# (pam_limits) resets the open-files limit to 1024. RabbitMQ keeps a file handle per queue while
+# it recovers them at boot; with more durable queues than handles (left by a developer's earlier
+# runs, say) the boot stalls for good after "Recovering N queues, available file handles: 927".
+# So start the node as the rabbitmq user ourselves, with the limit raised to the hard limit.
+RABBIT_NOFILE="${DEDUPE_RABBIT_NOFILE:-65536}"
+
+rabbit_start_detached() {
+  case "$RABBIT_NOFILE" in '' | *[!0-9]*) die "DEDUPE_RABBIT_NOFILE must be a number" ;; esac
+  if [ "$(id -u)" = 0 ]; then
+    (cd / && without_extra_fds timeout -k 5 30 su rabbitmq -s /bin/sh -c \
+      "ulimit -n $RABBIT_NOFILE 2>/dev/null || ulimit -n \$(ulimit -Hn); cd /var/lib/rabbitmq && /usr/lib/rabbitmq/bin/rabbitmq-server -detached")
+  else
+    (cd / && without_extra_fds timeout -k 5 30 rabbitmq-server -detached)
+  fi
+}
+
+rabbit_log_tail() {
+  local f
+  f=$(ls -t /var/log/rabbitmq/rabbit@*.log 2>/dev/null | grep -v upgrade | head -n 1)
+  [ -n "$f" ] || return 0
+  printf 'services: last lines of %s:\n' "$f" >&2
+  tail -n 15 "$f" | cut -c1-240 | sed 's/^/  /' >&2
+}
+
 rabbit_up() {
   ensure_packages rabbitmq
   mkdir -p /var/log/rabbitmq /var/lib/rabbitmq
   chown rabbitmq:rabbitmq /var/log/rabbitmq /var/lib/rabbitmq
   rabbit_cookie
   if ! rabbit_ping; then
-    log "rabbitmq: starting (rabbitmq-server -detached)"
-    (cd / && without_extra_fds timeout 30 rabbitmq-server -detached) \
-      >"$SERVICES_DIR/rabbitmq-start.out" 2>&1 </dev/null \
+    log "rabbitmq: starting (rabbitmq-server -detached, open files limit $RABBIT_NOFILE)"
+    rabbit_start_detached >"$SERVICES_DIR/rabbitmq-start.out" 2>&1 </dev/null \
       || { cat "$SERVICES_DIR/rabbitmq-start.out" >&2; die "rabbitmq-server -detached failed"; }
     # await_startup needs the node to be reachable first; both waits are bounded.
     local deadline=$(( $(now) + RABBIT_START_TIMEOUT ))
     until rabbit_ping; do
-      [ "$(now)" -lt "$deadline" ] || die "rabbitmq did not come up within ${RABBIT_START_TIMEOUT}s; see /var/log/rabbitmq/"
+      [ "$(now)" -lt "$deadline" ] || { rabbit_log_tail; die "rabbitmq did not come up within ${RABBIT_START_TIMEOUT}s; see /var/log/rabbitmq/"; }
       sleep 1
     done
     rabbit_cookie
   fi
-  (cd / && timeout "$RABBIT_START_TIMEOUT" rabbitmqctl -q await_startup) \
-    || die "rabbitmqctl await_startup failed or timed out; see /var/log/rabbitmq/"
+  # The CLI's own timeout, not only timeout(1): killing the su wrapper would orphan the Erlang
+  # CLI, which keeps our stdout open.
+  if ! (cd / && timeout -k 5 $(( RABBIT_START_TIMEOUT + 10 )) \
+        rabbitmqctl -q await_startup --timeout "$RABBIT_START_TIMEOUT" </dev/null >/dev/null 2>&1); then
+    rabbit_log_tail
+    die "rabbitmq is running but did not finish booting within ${RABBIT_START_TIMEOUT}s; see /var/log/rabbitmq/ (if it stalls while recovering queues, raise DEDUPE_RABBIT_NOFILE or delete stale queues)"
+  fi
   if ! rabbit_guest_ok; then
     log "rabbitmq: (re)creating user guest/guest"
     (cd / && timeout 20 rabbitmqctl -q add_user guest guest >/dev/null 2>&1) \
@@ -310,8 +339,8 @@ rabbit_down() {
   # `shutdown` is `stop` that also waits for the Erlang VM to exit, so an `up` right after
   # cannot race a node that is still going down.
   log "rabbitmq: stopping (rabbitmqctl shutdown)"
-  (cd / && timeout 60 rabbitmqctl -q shutdown >/dev/null 2>&1) \
-    || (cd / && timeout 60 rabbitmqctl -q stop >/dev/null) \
+  (cd / && timeout -k 5 60 rabbitmqctl -q shutdown >/dev/null 2>&1) \
+    || (cd / && timeout -k 5 60 rabbitmqctl -q stop >/dev/null) \
     || die "rabbitmqctl shutdown/stop failed or timed out"
 }
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -105,9 +106,28 @@ async def db(db_url: str) -> AsyncIterator[asyncpg.Connection]:
 
 
 @pytest.fixture
-def channel() -> str:
-    """A channel (queue/topic) name no other test uses."""
-    return f"t-{uuid.uuid4().hex[:10]}"
+async def channel(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """A channel (queue/topic) name no other test uses; its queues and topics go at the end.
+
+    Tests must not leave queues behind: a broker that recovers thousands of stale durable
+    queues at boot is slow to start (and stalls when it runs short of file handles).
+    """
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    yield name
+    await delete_channel_everywhere(request, name)
+
+
+async def delete_channel_everywhere(request: pytest.FixtureRequest, name: str) -> None:
+    from consumers import kafka_clients, rabbitmq
+
+    deletions = [rabbitmq.delete_channels(AMQP_URL, [name])]
+    if "kafka" in request.node.nodeid.lower() or "kafka_url" in request.fixturenames:
+        deletions.append(kafka_clients.delete_channels(KAFKA_URL, [name]))
+    for deletion in deletions:
+        try:
+            await asyncio.wait_for(deletion, timeout=15)
+        except Exception as exc:  # a broker stopped by the test itself: nothing to tidy
+            warnings.warn(f"could not delete the test channel {name}: {exc!r}", stacklevel=1)
 
 
 @pytest.fixture

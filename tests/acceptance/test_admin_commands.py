@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 
 import asyncpg
 import pytest
@@ -164,11 +163,10 @@ async def test_status_shows_handlers_stuck_keys_and_recent_trouble(
     assert {e["event"] for e in document["recent"]} == {"failed", "dead_lettered"}
 
 
-async def test_dlq_list_reads_kafka_dead_letters(db_url: str, kafka_url: str) -> None:
+async def test_dlq_list_reads_kafka_dead_letters(db_url: str, kafka_url: str, channel: str) -> None:
     """On Kafka, dlq list shows each dead letter's reason, scope and key."""
     from consumers import kafka_clients
 
-    channel = f"t-{uuid.uuid4().hex[:10]}"
     headers = {
         "x-dedupe-reason": "key_conflict",
         "x-dedupe-detail": "first used with another payload",

@@ -122,13 +122,12 @@ def _command(*argv: str) -> Callable[[], Awaitable[None]]:
 
 
 async def restart_rabbitmq(run: Run) -> int:
-    """Stop and start the RabbitMQ application under the workers."""
+    """Stop the RabbitMQ node (the Erlang VM exits; durable queues stay) and start it again."""
     restarts = 0
     async for _ in run.milestones():
-        await _command("rabbitmqctl", "-q", "stop_app")()
+        await _command("bash", SERVICES, "down", "rabbitmq")()
         await asyncio.sleep(1.0)
-        await _command("rabbitmqctl", "-q", "start_app")()
-        await _command("rabbitmqctl", "-q", "await_startup")()
+        await _command("bash", SERVICES, "up", "rabbitmq")()
         restarts += 1
     return restarts
 

@@ -132,13 +132,7 @@ async def hooks(secrets: None, channel: str, amqp_url: str) -> AsyncIterator[App
     """The example app on channels of this test's own; their queues go at the end."""
     app = make_app(prefix=f"{channel}-")
     yield app
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        amqp = await connection.channel()
-        for name in app.channels:
-            for queue in (name, f"{name}.dlq", f"{name}.delay"):
-                with contextlib.suppress(Exception):
-                    await amqp.queue_delete(queue)
+    await rabbitmq.delete_channels(amqp_url, app.channels)
 
 
 @pytest.fixture
@@ -840,8 +834,3 @@ async def test_dedupe_worker_receive_serves_webhooks_and_stops_on_sigterm(
     assert GH_SECRET not in output
     assert "Keep it logically" not in output  # DEBUG logs, yet no body
     assert await queue_depth(amqp_url, channel) == 1
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        amqp = await connection.channel()
-        for queue in (channel, f"{channel}.dlq", f"{channel}.delay"):
-            await amqp.queue_delete(queue)
