@@ -30,6 +30,7 @@ class Settings(BaseSettings):
     receiver_host: str = "127.0.0.1"
     receiver_port: int = Field(8080, ge=1, le=65_535)
     log_format: str = "text"
+    event_loop: str = "auto"
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65_535)
     metrics_interval_s: float = Field(15.0, gt=0)
@@ -43,6 +44,14 @@ class Settings(BaseSettings):
         value = value.lower()
         if value not in {"text", "json"}:
             raise ValueError("use text or json")
+        return value
+
+    @field_validator("event_loop")
+    @classmethod
+    def _known_loop(cls, value: str) -> str:
+        value = value.lower()
+        if value not in {"auto", "uvloop", "asyncio"}:
+            raise ValueError("use auto (uvloop when installed), uvloop or asyncio")
         return value
 
     @field_validator("log_level")

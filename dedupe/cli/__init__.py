@@ -14,7 +14,15 @@ from collections.abc import Sequence
 from .. import logs
 from ..errors import DedupeError, StoreError
 from .admin import cmd_claims, cmd_dlq, cmd_gc, cmd_migrate
-from .options import UsageError, add_common, load_app, make_publisher, make_transport, settings_from
+from .options import (
+    UsageError,
+    add_common,
+    load_app,
+    loop_factory,
+    make_publisher,
+    make_transport,
+    settings_from,
+)
 from .receive import cmd_receive
 from .run import cmd_run
 from .status import cmd_status
@@ -205,8 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"dedupe-worker: error: {exc}\n")
     logs.configure(settings.log_level, settings.log_format)
     try:
-        with contextlib.suppress(KeyboardInterrupt):
-            return int(asyncio.run(args.handler(args, settings)))
+        with (
+            contextlib.suppress(KeyboardInterrupt),
+            asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner,
+        ):
+            return int(runner.run(args.handler(args, settings)))
         return 130
     except (DedupeError, StoreError) as exc:
         print(f"dedupe-worker: error: {exc}", file=sys.stderr)

@@ -26,6 +26,7 @@ MEANING = {
     "worker_name": "owner written on claims (shows in `claims list` and the status page)",
     "log_level": "DEBUG, INFO, WARNING or ERROR (DEBUG adds one line per message)",
     "log_format": "`text` for people, `json` for machines (one object per line)",
+    "event_loop": "`auto` (uvloop when installed), `uvloop` or `asyncio`",
     "receiver_host": "address the webhook receiver listens on",
     "receiver_port": "port of the webhook receiver",
     "metrics_host": "address of the worker's /metrics endpoint",

@@ -77,9 +77,10 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         ):
             await _connect_broker(transport, settings)
             logger.info(
-                "worker %s running app %r: %s",
+                "worker %s running app %r on %s: %s",
                 settings.worker_name,
                 app.name,
+                type(asyncio.get_running_loop()).__module__.split(".")[0],
                 ", ".join(
                     f"{h.name} <- {h.channel} (key={h.key_spec})" for h in app.handlers.values()
                 ),
