@@ -191,11 +191,17 @@ class Processor:
                 await delivery.settle(_dead_letter(Reason.NO_HANDLER, f"no handler for {channel}"))
             return
         messages = [d.message for d in deliveries]
+        plans: list[list[Awaitable[Settlement]]] = []
         try:
-            plans = [await self._plan(handler, messages) for handler in handlers]
+            for handler in handlers:
+                plans.append(await self._plan(handler, messages))
         except Exception:
-            # A bug, not a message problem: give the batch back rather than leave it unsettled.
+            # A bug, not a message problem: give the batch back rather than leave it unsettled
+            # (the keys claimed so far wait for their lease to lapse).
             logger.exception("unexpected error while claiming a batch; requeueing it")
+            for outcome in (outcome for plan in plans for outcome in plan):
+                if asyncio.iscoroutine(outcome):
+                    outcome.close()
             for delivery in deliveries:
                 await delivery.settle(
                     Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)
@@ -212,7 +218,14 @@ class Processor:
             self._inflight.difference_update(finishing)
 
     async def _finish(self, delivery: Delivery, outcomes: list[Awaitable[Settlement]]) -> None:
+        """Await the delivery's outcomes (one per handler of its channel), then settle it.
+
+        With one handler (the usual case) its run happens right here, in the delivery's own
+        task: one task per message. Several handlers of a channel run side by side.
+        """
         try:
+            if len(outcomes) > 1:
+                outcomes = [asyncio.ensure_future(outcome) for outcome in outcomes]
             settlements = [await outcome for outcome in outcomes]
         except Exception:
             # A bug, not a message problem: give the message back rather than lose it.
@@ -246,7 +259,12 @@ class Processor:
     async def _plan(
         self, handler: Handler, messages: Sequence[Message]
     ) -> list[Awaitable[Settlement]]:
-        """Claim every message's key in one statement; start a task per message."""
+        """Claim every message's key in one statement; return each message's outcome.
+
+        An outcome is a coroutine that the delivery's task runs (or a settled future); the
+        first of a key that the batch holds twice is a task of its own, which the second
+        awaits before it claims the key again.
+        """
         outcomes: list[Awaitable[Settlement] | None] = [None] * len(messages)
         first_of: dict[tuple[str, str], int] = {}
         requests: list[tuple[int, ClaimRequest]] = []
@@ -277,15 +295,15 @@ class Processor:
             logger.warning("claim failed, requeueing %d messages: %s", len(messages), exc)
             requeue = Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
             return [outcome or _ready(requeue) for outcome in outcomes]
+        awaited = {first for _, first in repeats}
         for (i, request), claim in zip(requests, claims, strict=True):
             settle = self._settle_claim(handler, messages[i], request, claim)
-            outcomes[i] = self._spawn(
-                self._observed(handler, messages[i], request, settle, started)
-            )
+            outcome = self._observed(handler, messages[i], request, settle, started)
+            outcomes[i] = self._spawn(outcome) if i in awaited else outcome
         for i, first in repeats:
             after = self._after(outcomes[first], handler, messages[i])
             request = ClaimRequest(handler.scope_of(messages[i]) or "", "", b"")
-            outcomes[i] = self._spawn(self._observed(handler, messages[i], request, after, started))
+            outcomes[i] = self._observed(handler, messages[i], request, after, started)
         return [outcome for outcome in outcomes if outcome is not None]
 
     async def _observed(
@@ -566,7 +584,8 @@ class Processor:
                             f"started {number - 1} times without finishing (max_attempts="
                             f"{handler.max_attempts}): its workers died or lost the database"
                         )
-                await self._run_hooks("claimed", message, fence)
+                if self._hooks["claimed"]:
+                    await self._run_hooks("claimed", message, fence)
                 if handler.takes_context:
                     ctx = Context(
                         key=fence.key,
@@ -590,7 +609,8 @@ class Processor:
                 finally:
                     self.observer.ran(handler.name, time.perf_counter() - began, ok=ok)
             result = encode_result(value)
-            await self._run_hooks("handled", message, fence)
+            if self._hooks["handled"]:
+                await self._run_hooks("handled", message, fence)
             run.completing = True
             if db.started:
                 done = await self.store.complete(
@@ -603,7 +623,8 @@ class Processor:
             elif not await self._completer.submit((fence, result, handler.retention_s)):
                 self.stats.fenced += 1
                 raise LeaseLost()
-            await self._run_hooks("completed", message, fence)
+            if self._hooks["completed"]:
+                await self._run_hooks("completed", message, fence)
             return result
         except BaseException:
             run.completing = False  # the next attempt may be cancelled again
