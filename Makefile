@@ -38,7 +38,8 @@ demo: install services  ## the main job end to end: duplicates, a crash, a summa
 	$(BIN)/python scripts/demo.py --broker $(BROKER)
 
 test: install services browser  ## run the whole test suite against the real services
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	rm -f .services/chaos-report-small.md
+	CHAOS_REPORT=$(CURDIR)/.services/chaos-report-small.md $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-unit: install  ## only the tests that need no service
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
