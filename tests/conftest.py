@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import urllib.parse
 import uuid
 import warnings
 from collections.abc import AsyncIterator
@@ -26,6 +27,8 @@ ADMIN_URL = os.environ.get(
 )
 AMQP_URL = os.environ.get("DEDUPE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 KAFKA_URL = os.environ.get("DEDUPE_TEST_KAFKA_URL", "kafka://127.0.0.1:9092")
+# Test databases carry the pid of the pytest process that made them, so that a later run can
+# drop those of runs that were killed before their clean-up (see _drop_orphans).
 TEMPLATE = f"dedupe_tpl_{os.getpid()}"
 
 
@@ -50,6 +53,7 @@ async def template_db() -> AsyncIterator[str]:
     except (OSError, asyncpg.PostgresError) as exc:
         pytest.fail(f"PostgreSQL is not reachable at {ADMIN_URL} ({exc}); run `make services`")
     try:
+        await _drop_orphans(admin)
         await admin.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
         await admin.execute(f"CREATE DATABASE {TEMPLATE}")
     finally:
@@ -66,10 +70,35 @@ async def template_db() -> AsyncIterator[str]:
         await admin.close()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _drop_orphans(admin: asyncpg.Connection) -> None:
+    """Drop the test databases of pytest runs on this machine that died before cleaning up."""
+    host = urllib.parse.urlsplit(ADMIN_URL).hostname
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        return  # another machine's pids mean nothing here
+    names = await admin.fetch(
+        r"SELECT datname FROM pg_database WHERE datname ~ '^dedupe_(t|tpl)_[0-9]+(_|$)'"
+    )
+    for (name,) in names:
+        pid = int(name.split("_")[2])
+        if pid != os.getpid() and not _pid_alive(pid):
+            with contextlib.suppress(asyncpg.PostgresError):
+                await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
 @pytest.fixture
 async def db_url(template_db: str) -> AsyncIterator[str]:
     """A fresh, migrated database for one test."""
-    name = f"dedupe_t_{uuid.uuid4().hex[:12]}"
+    name = f"dedupe_t_{os.getpid()}_{uuid.uuid4().hex[:8]}"
     admin = await asyncpg.connect(ADMIN_URL)
     try:
         for attempt in range(10):
