@@ -58,6 +58,7 @@ from .kafka_clients import (
     idempotent_producer,
     peek_dead_letters,
     publish,
+    replay_dead_letters,
     with_options,
 )
 from .kafka_partition import KafkaDelivery, PartitionWork, to_message
@@ -359,6 +360,7 @@ __all__ = [
     "group_id_for",
     "peek_dead_letters",
     "publish",
+    "replay_dead_letters",
     "to_message",
     "with_options",
 ]

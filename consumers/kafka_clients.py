@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -25,7 +25,14 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from dedupe.errors import ConfigurationError
 from dedupe.keys import MESSAGE_ID_HEADER
 from dedupe.message import Headers
-from dedupe.transport import DETAIL_HEADER, KEY_HEADER, REASON_HEADER, SCOPE_HEADER, dlq_name
+from dedupe.transport import (
+    DEAD_LETTER_HEADERS,
+    DETAIL_HEADER,
+    KEY_HEADER,
+    REASON_HEADER,
+    SCOPE_HEADER,
+    dlq_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -296,27 +303,124 @@ async def partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[TopicPar
     return sorted(TopicPartition(topic, p["partition"]) for p in described["partitions"])
 
 
+def replay_group(channel: str) -> str:
+    """The consumer group whose committed offsets on <channel>.dlq mark what was replayed."""
+    return f"dedupe-dlq-replay.{channel}"
+
+
+async def _replay_positions(
+    admin: AIOKafkaAdminClient, channel: str
+) -> tuple[list[TopicPartition], dict[TopicPartition, int]]:
+    """<channel>.dlq's partitions and, per partition, the first offset not yet replayed."""
+    tps = await partitions_of(admin, dlq_name(channel))
+    if not tps:
+        return [], {}
+    committed = await admin.list_consumer_group_offsets(replay_group(channel), partitions=tps)
+    return tps, {
+        tp: meta.offset for tp, meta in committed.items() if meta is not None and meta.offset >= 0
+    }
+
+
+async def _read_dead_letters(
+    consumer: AIOKafkaConsumer,
+    tps: list[TopicPartition],
+    starts: Mapping[TopicPartition, int],
+    *,
+    limit: int,
+) -> list[Any]:
+    """Up to `limit` records of the dead-letter partitions from `starts` (else the beginning)."""
+    consumer.assign(tps)
+    ends = await consumer.end_offsets(tps)
+    firsts = await consumer.beginning_offsets(tps)
+    for tp in tps:
+        consumer.seek(tp, max(starts.get(tp, 0), firsts[tp]))
+    remaining = {tp for tp in tps if ends[tp] > await consumer.position(tp)}
+    found: list[Any] = []
+    deadline = time.monotonic() + 15
+    while remaining and len(found) < limit and time.monotonic() < deadline:
+        batches = await consumer.getmany(*remaining, timeout_ms=200)
+        for tp, records in batches.items():
+            found.extend(r for r in records if r.offset < ends[tp])
+            if await consumer.position(tp) >= ends[tp]:
+                remaining.discard(tp)
+    return found[:limit]
+
+
 async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
-    """Read up to `limit` dead letters of a channel from the start of <channel>.dlq."""
+    """Read up to `limit` dead letters of a channel not replayed yet (see replay_dead_letters)."""
     options = KafkaOptions.from_url(url)
     async with _admin(options) as admin:
-        tps = await partitions_of(admin, dlq_name(channel))
-    found: list[dict[str, Any]] = []
+        tps, starts = await _replay_positions(admin, channel)
     if not tps:
-        return found
+        return []
     async with _reader(options) as consumer:
-        consumer.assign(tps)
-        ends = await consumer.end_offsets(tps)
-        await consumer.seek_to_beginning(*tps)
-        remaining = {tp for tp in tps if ends[tp] > await consumer.position(tp)}
-        deadline = time.monotonic() + 15
-        while remaining and len(found) < limit and time.monotonic() < deadline:
-            batches = await consumer.getmany(*remaining, timeout_ms=200)
-            for tp, records in batches.items():
-                found.extend(_describe_dead_letter(record) for record in records)
-                if await consumer.position(tp) >= ends[tp]:
-                    remaining.discard(tp)
-    return found[:limit]
+        records = await _read_dead_letters(consumer, tps, starts, limit=limit)
+    return [_describe_dead_letter(record) for record in records]
+
+
+async def replay_dead_letters(
+    url: str,
+    channel: str,
+    *,
+    limit: int,
+    release: Callable[[str, str], Awaitable[object]] | None = None,
+) -> list[dict[str, Any]]:
+    """Publish up to `limit` dead letters of <channel>.dlq back to the channel.
+
+    A dead-letter topic is a log, so nothing is removed: what was replayed is marked by the
+    committed offsets of the group `dedupe-dlq-replay.<channel>`, committed once every
+    republished record is acknowledged by all in-sync replicas. `release(scope, key)` runs
+    first for each record, so that its failed claim is claimable again by the time a worker
+    sees it. Interrupted between the publish and the commit, the next replay publishes those
+    records again; the claims make the second copy a duplicate.
+    """
+    options = KafkaOptions.from_url(url)
+    async with _admin(options) as admin:
+        tps, starts = await _replay_positions(admin, channel)
+    if not tps:
+        return []
+    async with _reader(options) as consumer:
+        records = await _read_dead_letters(consumer, tps, starts, limit=limit)
+    if not records:
+        return []
+    ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER}
+    moved: list[dict[str, Any]] = []
+    async with KafkaPublisher(url) as publisher:
+        pending = []
+        for record in records:
+            described = _describe_dead_letter(record)
+            if release is not None and described["scope"] and described["key"]:
+                await release(described["scope"], described["key"])
+            headers = {k: v for k, v in (record.headers or ()) if k not in ours}
+            message_id = headers.pop(MESSAGE_ID_HEADER, None)
+            pending.append(
+                await publisher.send(
+                    channel,
+                    record.value or b"",
+                    message_id=message_id.decode() if message_id is not None else None,
+                    headers=headers,
+                    key=record.key,
+                )
+            )
+            moved.append({k: described[k] for k in ("message_id", "reason", "scope", "key")})
+        await asyncio.gather(*pending)
+    done: dict[TopicPartition, int] = {}
+    for record in records:
+        tp = TopicPartition(record.topic, record.partition)
+        done[tp] = max(done.get(tp, 0), record.offset + 1)
+    committer = AIOKafkaConsumer(
+        bootstrap_servers=options.bootstrap_servers,
+        client_id=options.client_id,
+        group_id=replay_group(channel),
+        enable_auto_commit=False,
+    )
+    await committer.start()
+    try:
+        committer.assign(list(done))
+        await committer.commit(done)
+    finally:
+        await committer.stop()
+    return moved
 
 
 def _describe_dead_letter(record: Any) -> dict[str, Any]:

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=cmd_status)
 
     dlq = sub.add_parser(
-        "dlq", help="look at (RabbitMQ, Kafka) and replay (RabbitMQ) dead-lettered messages"
+        "dlq", help="look at and replay dead-lettered messages (RabbitMQ and Kafka)"
     )
     dlq_sub = dlq.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
     d_list = dlq_sub.add_parser("list", help="show dead letters of a channel with their reasons")

@@ -10,7 +10,7 @@ from typing import Any
 from ..operations import FINISHED, ClaimAdmin
 from ..settings import Settings
 from ..store import ClaimStore, migrate
-from .options import UsageError, cell, confirm, print_rows
+from .options import cell, confirm, print_rows
 
 
 async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -110,18 +110,20 @@ async def _purge(args: argparse.Namespace, admin: ClaimAdmin) -> int:
 
 
 async def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
-    if settings.broker_url.startswith("kafka://"):
-        return await _kafka_dlq(args, settings)
-    from consumers import rabbitmq
+    kafka = settings.broker_url.startswith("kafka://")
+    if kafka:
+        from consumers import kafka_clients as broker
+    else:
+        from consumers import rabbitmq as broker  # type: ignore[no-redef]
 
     if args.dlq_command == "list":
-        rows = await rabbitmq.peek_dead_letters(settings.broker_url, args.channel, limit=args.limit)
+        rows = await broker.peek_dead_letters(settings.broker_url, args.channel, limit=args.limit)
         if args.json:
-            print(json.dumps(rows, indent=2))
+            print(json.dumps(rows, indent=2, default=str))
         elif rows:
             print_rows(rows, ["message_id", "reason", "scope", "key", "detail"])
         else:
-            print(f"{args.channel}.dlq is empty")
+            print(f"{args.channel}.dlq is empty" + (" (nothing left to replay)" if kafka else ""))
         return 0
     if not args.yes and not confirm(
         f"move up to {args.limit} dead letters back to {args.channel}?"
@@ -135,31 +137,11 @@ async def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
             if await store.release(scope, key):
                 released.append(key)
 
-        moved = await rabbitmq.replay_dead_letters(
+        moved = await broker.replay_dead_letters(
             settings.broker_url, args.channel, limit=args.limit, release=release
         )
     print(
         f"replayed {len(moved)} dead letter(s) to {args.channel}; released {len(released)} "
         "failed claim(s) so they run again"
     )
-    return 0
-
-
-async def _kafka_dlq(args: argparse.Namespace, settings: Settings) -> int:
-    if args.dlq_command != "list":
-        raise UsageError(
-            "dlq replay supports RabbitMQ brokers for now; on Kafka, list the dead letters, "
-            "release their claims (claims release) and publish them to the channel again"
-        )
-    from consumers import kafka_clients
-
-    rows = await kafka_clients.peek_dead_letters(
-        settings.broker_url, args.channel, limit=args.limit
-    )
-    if args.json:
-        print(json.dumps(rows, indent=2, default=str))
-    elif rows:
-        print_rows(rows, ["message_id", "reason", "scope", "key", "detail"])
-    else:
-        print(f"{args.channel}.dlq is empty")
     return 0

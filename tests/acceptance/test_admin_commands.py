@@ -163,20 +163,48 @@ async def test_status_shows_handlers_stuck_keys_and_recent_trouble(
     assert {e["event"] for e in document["recent"]} == {"failed", "dead_lettered"}
 
 
-async def test_dlq_list_reads_kafka_dead_letters(db_url: str, kafka_url: str, channel: str) -> None:
-    """On Kafka, dlq list shows each dead letter's reason, scope and key."""
+async def test_dlq_list_and_replay_on_kafka(
+    db_url: str, kafka_url: str, channel: str, claims: asyncpg.Connection
+) -> None:
+    """On Kafka, dlq list shows each dead letter's reason, scope and key; dlq replay publishes
+    it back to its channel without our headers, releases its failed claim, and marks it
+    replayed (a second replay moves nothing, list shows nothing left)."""
+    from aiokafka import AIOKafkaConsumer
+
     from consumers import kafka_clients
 
     headers = {
-        "x-dedupe-reason": "key_conflict",
-        "x-dedupe-detail": "first used with another payload",
+        "x-dedupe-reason": "handler_error",
+        "x-dedupe-detail": "ValueError: negative",
         "x-dedupe-scope": "adm.work",
-        "x-dedupe-key": "k-9",
+        "x-dedupe-key": "j-bad",
+        "x-trace": "t-7",
     }
-    await kafka_clients.publish(kafka_url, f"{channel}.dlq", [(b"{}", headers, "k-9")])
+    await kafka_clients.publish(kafka_url, f"{channel}.dlq", [(b'{"n": -1}', headers, "j-bad")])
     listed = await cli(db_url, "dlq", "list", channel, "--json", broker=kafka_url)
     assert listed.returncode == 0, listed.stderr
     [row] = json.loads(listed.stdout)
-    assert (row["reason"], row["scope"], row["key"]) == ("key_conflict", "adm.work", "k-9")
+    assert (row["reason"], row["scope"], row["key"]) == ("handler_error", "adm.work", "j-bad")
+
     replay = await cli(db_url, "dlq", "replay", channel, "--yes", broker=kafka_url)
-    assert replay.returncode == 1 and "RabbitMQ" in replay.stderr
+    assert replay.returncode == 0, replay.stderr
+    assert "replayed 1 dead letter(s)" in replay.stdout and "released 1" in replay.stdout
+    assert await claims.fetchval("SELECT retryable FROM dedupe_claims WHERE key='j-bad'") is True
+
+    reader = AIOKafkaConsumer(
+        channel, bootstrap_servers=kafka_url.removeprefix("kafka://"), auto_offset_reset="earliest"
+    )
+    await reader.start()
+    try:
+        batches = await reader.getmany(timeout_ms=10_000)
+    finally:
+        await reader.stop()
+    [record] = [r for records in batches.values() for r in records]
+    got = {k: v.decode() for k, v in record.headers}
+    assert record.value == b'{"n": -1}'
+    assert got == {"message-id": "j-bad", "x-trace": "t-7"}
+
+    again = await cli(db_url, "dlq", "replay", channel, "--yes", broker=kafka_url)
+    assert again.returncode == 0 and "replayed 0 dead letter(s)" in again.stdout
+    left = await cli(db_url, "dlq", "list", channel, broker=kafka_url)
+    assert "nothing left to replay" in left.stdout

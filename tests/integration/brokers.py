@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import aio_pika
@@ -13,6 +13,7 @@ from consumers import kafka, rabbitmq
 from dedupe.transport import Transport
 
 Messages = Sequence[tuple[bytes, Mapping[str, Any], str | None]]
+Release = Callable[[str, str], Awaitable[object]]
 
 
 class Broker(Protocol):
@@ -28,6 +29,9 @@ class Broker(Protocol):
 
     async def dead_letters(self, channel: str) -> list[dict[str, Any]]:
         """The channel's dead letters (message_id, reason, detail, scope, key), left in place."""
+
+    async def replay(self, channel: str, release: Release) -> list[dict[str, Any]]:
+        """Move the channel's dead letters back (dlq replay), releasing each failed claim."""
 
     async def backlog(self, channel: str) -> int:
         """Messages not yet consumed for good (RabbitMQ: queued or delayed; Kafka: group lag)."""
@@ -52,6 +56,9 @@ class RabbitBroker:
 
     async def dead_letters(self, channel: str) -> list[dict[str, Any]]:
         return await rabbitmq.peek_dead_letters(self.url, channel, limit=100)
+
+    async def replay(self, channel: str, release: Release) -> list[dict[str, Any]]:
+        return await rabbitmq.replay_dead_letters(self.url, channel, limit=100, release=release)
 
     async def backlog(self, channel: str) -> int:
         connection = await aio_pika.connect(self.url)
@@ -84,6 +91,9 @@ class KafkaBroker:
 
     async def dead_letters(self, channel: str) -> list[dict[str, Any]]:
         return await kafka.peek_dead_letters(self.url, channel, limit=100)
+
+    async def replay(self, channel: str, release: Release) -> list[dict[str, Any]]:
+        return await kafka.replay_dead_letters(self.url, channel, limit=100, release=release)
 
     async def backlog(self, channel: str) -> int:
         return await kafka.backlog(self.url, channel, self.group_id)

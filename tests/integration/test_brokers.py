@@ -9,8 +9,6 @@ import json
 import asyncpg
 from pydantic import BaseModel
 
-from consumers import rabbitmq
-from consumers.rabbitmq import RabbitMQTransport
 from dedupe import App, Context
 from dedupe.store import ClaimStore
 from tests.conftest import eventually, running
@@ -151,10 +149,10 @@ async def test_a_duplicate_of_a_key_in_flight_is_redelivered_later_and_then_acke
 
 
 async def test_replayed_dead_letters_run_again_once_released(
-    amqp_url: str, channel: str, store: ClaimStore, db: asyncpg.Connection
+    broker: Broker, channel: str, store: ClaimStore, db: asyncpg.Connection
 ) -> None:
-    """dlq replay (RabbitMQ) moves messages back and releases their failed claims: the
-    handler runs again."""
+    """dlq replay moves messages back and releases their failed claims: the handler runs
+    again, once; nothing is left to replay."""
     await db.execute("CREATE TABLE effects (key text NOT NULL, n int NOT NULL)")
     broken = [True]
     app = App("t")
@@ -166,8 +164,8 @@ async def test_replayed_dead_letters_run_again_once_released(
         if broken[0]:
             raise ConnectionError("downstream is down")
 
-    await rabbitmq.publish(amqp_url, channel, [(body(1), {}, "k")])
-    async with running(app, store, RabbitMQTransport(amqp_url)) as worker:
+    await broker.publish(channel, [(body(1), {}, "k")])
+    async with running(app, store, broker.transport()) as worker:
         await eventually(lambda: _dead_lettered(worker))
         broken[0] = False
         released: list[str | None] = []
@@ -175,11 +173,12 @@ async def test_replayed_dead_letters_run_again_once_released(
         async def release(scope: str, key: str) -> None:
             released.append(await store.release(scope, key))
 
-        moved = await rabbitmq.replay_dead_letters(amqp_url, channel, limit=10, release=release)
+        moved = await broker.replay(channel, release)
         assert [(m["scope"], m["key"], m["reason"]) for m in moved] == [
             ("t.work", "k", "max_attempts_exceeded")
         ]
         assert released == ["failed"]
         await eventually(lambda: _completed(worker))
     assert calls == ["k", "k", "k"]
-    assert await rabbitmq.peek_dead_letters(amqp_url, channel, limit=10) == []
+    assert await broker.dead_letters(channel) == []
+    assert await broker.replay(channel, release) == []
