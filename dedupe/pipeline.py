@@ -78,6 +78,21 @@ class _Run:
     completing: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _Observed:
+    """What the observers are told about a claimed message once its outcome is known."""
+
+    handler: Handler
+    message: Message
+    request: ClaimRequest
+    started: float
+
+
+# A message's outcome for one handler, and what to report once it is known (None: nothing,
+# the message was settled before any claim).
+_Planned = tuple[Awaitable[Settlement], _Observed | None]
+
+
 class _CrashLoop(DedupeError):
     """The key was taken over from dead workers more than max_attempts times."""
 
@@ -191,7 +206,7 @@ class Processor:
                 await delivery.settle(_dead_letter(Reason.NO_HANDLER, f"no handler for {channel}"))
             return
         messages = [d.message for d in deliveries]
-        plans: list[list[Awaitable[Settlement]]] = []
+        plans: list[list[_Planned]] = []
         try:
             for handler in handlers:
                 plans.append(await self._plan(handler, messages))
@@ -199,7 +214,7 @@ class Processor:
             # A bug, not a message problem: give the batch back rather than leave it unsettled
             # (the keys claimed so far wait for their lease to lapse).
             logger.exception("unexpected error while claiming a batch; requeueing it")
-            for outcome in (outcome for plan in plans for outcome in plan):
+            for outcome, _ in (planned for plan in plans for planned in plan):
                 if asyncio.iscoroutine(outcome):
                     outcome.close()
             for delivery in deliveries:
@@ -217,16 +232,22 @@ class Processor:
         finally:
             self._inflight.difference_update(finishing)
 
-    async def _finish(self, delivery: Delivery, outcomes: list[Awaitable[Settlement]]) -> None:
+    async def _finish(self, delivery: Delivery, planned: list[_Planned]) -> None:
         """Await the delivery's outcomes (one per handler of its channel), then settle it.
 
         With one handler (the usual case) its run happens right here, in the delivery's own
         task: one task per message. Several handlers of a channel run side by side.
         """
         try:
+            outcomes = [outcome for outcome, _ in planned]
             if len(outcomes) > 1:
                 outcomes = [asyncio.ensure_future(outcome) for outcome in outcomes]
-            settlements = [await outcome for outcome in outcomes]
+            settlements: list[Settlement] = []
+            for outcome, (_, observed) in zip(outcomes, planned, strict=True):
+                settlement = await outcome
+                if observed is not None:
+                    self._observe(observed, settlement)
+                settlements.append(settlement)
         except Exception:
             # A bug, not a message problem: give the message back rather than lose it.
             logger.exception("unexpected error while processing; requeueing the message")
@@ -256,16 +277,14 @@ class Processor:
                     # Harmless: a later copy of the message is dead-lettered once more.
                     logger.warning("could not record dead letters as sent: %s", exc)
 
-    async def _plan(
-        self, handler: Handler, messages: Sequence[Message]
-    ) -> list[Awaitable[Settlement]]:
+    async def _plan(self, handler: Handler, messages: Sequence[Message]) -> list[_Planned]:
         """Claim every message's key in one statement; return each message's outcome.
 
         An outcome is a coroutine that the delivery's task runs (or a settled future); the
         first of a key that the batch holds twice is a task of its own, which the second
         awaits before it claims the key again.
         """
-        outcomes: list[Awaitable[Settlement] | None] = [None] * len(messages)
+        outcomes: list[_Planned | None] = [None] * len(messages)
         first_of: dict[tuple[str, str], int] = {}
         requests: list[tuple[int, ClaimRequest]] = []
         repeats: list[tuple[int, int]] = []
@@ -276,10 +295,10 @@ class Processor:
                     raise KeyMissing("the message has no tenant where the handler's scope looks")
                 key = derive_key(handler.key_func, message)
             except KeyMissing as exc:
-                outcomes[i] = _ready(_dead_letter(Reason.MISSING_KEY, str(exc)))
+                outcomes[i] = (_ready(_dead_letter(Reason.MISSING_KEY, str(exc))), None)
                 continue
             except InvalidPayload as exc:
-                outcomes[i] = _ready(_dead_letter(Reason.INVALID_PAYLOAD, str(exc)))
+                outcomes[i] = (_ready(_dead_letter(Reason.INVALID_PAYLOAD, str(exc))), None)
                 continue
             if (scope, key) in first_of:
                 repeats.append((i, first_of[(scope, key)]))
@@ -294,30 +313,26 @@ class Processor:
         except StoreError as exc:
             logger.warning("claim failed, requeueing %d messages: %s", len(messages), exc)
             requeue = Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
-            return [outcome or _ready(requeue) for outcome in outcomes]
+            return [outcome or (_ready(requeue), None) for outcome in outcomes]
         awaited = {first for _, first in repeats}
         for (i, request), claim in zip(requests, claims, strict=True):
-            settle = self._settle_claim(handler, messages[i], request, claim)
-            outcome = self._observed(handler, messages[i], request, settle, started)
-            outcomes[i] = self._spawn(outcome) if i in awaited else outcome
+            settle: Awaitable[Settlement] = self._settle_claim(handler, messages[i], request, claim)
+            if i in awaited:
+                settle = self._spawn(settle)
+            outcomes[i] = (settle, _Observed(handler, messages[i], request, started))
         for i, first in repeats:
-            after = self._after(outcomes[first], handler, messages[i])
+            first_outcome = outcomes[first]
+            after = self._after(first_outcome[0] if first_outcome else None, handler, messages[i])
             request = ClaimRequest(handler.scope_of(messages[i]) or "", "", b"")
-            outcomes[i] = self._observed(handler, messages[i], request, after, started)
+            outcomes[i] = (after, _Observed(handler, messages[i], request, started))
         return [outcome for outcome in outcomes if outcome is not None]
 
-    async def _observed(
-        self,
-        handler: Handler,
-        message: Message,
-        request: ClaimRequest,
-        outcome: Awaitable[Settlement],
-        started: float,
-    ) -> Settlement:
-        settlement = await outcome
+    def _observe(self, observed: _Observed, settlement: Settlement) -> None:
+        handler, message, request = observed.handler, observed.message, observed.request
         key = request.key or settlement.key or derive_key(handler.key_func, message)
-        self.observer.settled(handler.name, request.scope, key, message, settlement, started)
-        return settlement
+        self.observer.settled(
+            handler.name, request.scope, key, message, settlement, observed.started
+        )
 
     async def _claim(self, handler: Handler, requests: Sequence[ClaimRequest]) -> list[Claim]:
         """Claim through the handler's batcher (one statement for many concurrent batches)."""
@@ -517,14 +532,16 @@ class Processor:
             if isinstance(log.extra, dict):
                 log.extra["attempt"] = number  # the lines of the next attempt carry its number
 
-        async def attempt_until_done() -> str:
-            # tenacity's schedule (wait, before_sleep) without its per-call set-up, which
-            # cost more than the rest of a no-op run; a retry is rare, a first attempt is not.
-            number = 0
+        # tenacity's schedule (wait, before_sleep) without its per-call set-up, which cost more
+        # than the rest of a no-op run; a retry is rare, a first attempt is not. The loop runs
+        # in this frame: every frame between a run and its delivery's task costs at each resume.
+        number = 0
+        try:
             while True:
                 number += 1
                 try:
-                    return await self._attempt(handler, message, payload, run, counted, log)
+                    result = await self._attempt(handler, message, payload, run, counted, log)
+                    break
                 except Exception as exc:
                     if not transient(exc) or counted[0] >= handler.max_attempts:
                         raise
@@ -534,9 +551,6 @@ class Processor:
                     delay = wait(state)
                     await record_next_attempt(state)
                     await asyncio.sleep(delay)
-
-        try:
-            result: str = await attempt_until_done()
         except LeaseLost:
             self.stats.lease_lost += 1
             return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
