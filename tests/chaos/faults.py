@@ -14,6 +14,8 @@ from pathlib import Path
 from tests.chaos.harness import Probe, Workers, Workload
 
 PG_CLUSTER = ["15", "main"]
+# The last fault of a scenario lands when at most this many keys are left to settle.
+LAST_FAULT_LEFT = 1000
 SERVICES = str(Path(__file__).resolve().parents[2] / "scripts" / "services.sh")
 
 
@@ -30,11 +32,22 @@ class Run:
     timeout_s: float = 600.0
     unexpected_exits: int = 0
 
+    def milestone(self, i: int) -> int:
+        """How many keys are settled when fault i of k happens: spread evenly from 1/(k+1) of
+        the keys to the last fault, which lands when k/(k+1) are settled or when at most
+        LAST_FAULT_LEFT keys are left, whichever is later, so that what follows it is the
+        fault's recovery, which the drain check bounds, not the rest of a large run."""
+        n, k = self.workload.n, self.faults
+        last = max(k / (k + 1), 1 - LAST_FAULT_LEFT / n)
+        first = 1 / (k + 1) if k > 1 else last
+        fraction = first + (last - first) * i / (k - 1) if k > 1 else last
+        return int(n * fraction)
+
     async def milestones(self) -> AsyncIterator[int]:
-        """Yield i = 0..faults-1 when (i + 1) / (faults + 1) of the keys are settled."""
+        """Yield i = 0..faults-1 when self.milestone(i) keys are settled."""
         deadline = time.monotonic() + self.timeout_s
         for i in range(self.faults):
-            target = self.workload.n * (i + 1) // (self.faults + 1)
+            target = self.milestone(i)
             while await self.probe.settled() < target:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"no progress to milestone {i} within {self.timeout_s}s")
@@ -114,9 +127,13 @@ async def freeze_past_the_lease(run: Run) -> int:
 
 def _command(*argv: str) -> Callable[[], Awaitable[None]]:
     async def execute() -> None:
-        await asyncio.to_thread(
-            subprocess.run, list(argv), check=True, timeout=120, capture_output=True
+        done = await asyncio.to_thread(
+            subprocess.run, list(argv), timeout=180, capture_output=True, text=True
         )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(argv)} exited with {done.returncode}:\n{done.stdout}{done.stderr}"
+            )
 
     return execute
 
