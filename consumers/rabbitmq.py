@@ -250,6 +250,7 @@ class RabbitMQTransport(Transport):
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
         self._publish_channel: AbstractChannel | None = None
+        self._reopening = asyncio.Lock()
         self._acks = _Acks()
 
     async def connect(self) -> None:
@@ -374,8 +375,28 @@ class RabbitMQTransport(Transport):
             await incoming.ack()
 
     async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
-        assert self._publish_channel is not None
-        await self._publish_channel.default_exchange.publish(message, routing_key=routing_key)
+        channel = self._publish_channel
+        if channel is None or channel.is_closed:
+            channel = await self._reopen_publish_channel()
+        await channel.default_exchange.publish(message, routing_key=routing_key)
+
+    async def _reopen_publish_channel(self) -> AbstractChannel:
+        """A new confirming channel for copies (dead letters, delays, replies).
+
+        aio-pika restores a robust channel after a reconnect, except when the restore itself
+        fails while the broker is still going down; then the channel stays closed for good
+        and, without this, every later dead letter and deferral would fail (found by the
+        chaos suite: poison messages redelivered forever after a RabbitMQ restart).
+        """
+        async with self._reopening:
+            channel = self._publish_channel
+            if channel is None or channel.is_closed:
+                if self._connection is None:
+                    raise aio_pika.exceptions.ChannelInvalidStateError("the transport is closed")
+                logger.info("reopening the channel for dead letters and delays")
+                channel = await self._connection.channel(publisher_confirms=True)
+                self._publish_channel = channel
+            return channel
 
     async def _reply(self, incoming: AbstractIncomingMessage, result: str) -> None:
         """Replay the stored outcome to a request-reply caller (RPC over RabbitMQ)."""

@@ -107,3 +107,35 @@ async def test_the_worker_reconnects_after_its_broker_connection_is_closed(
                 check=True,
             )
         await all_effects_once(db, 300)
+
+
+async def test_dead_letters_still_go_out_when_the_copy_channel_was_lost(
+    amqp_url: str, channel: str, store: ClaimStore
+) -> None:
+    """The channel for dead letters and delays closed for good under a running worker (as
+    when aio-pika's restore fails while the broker shuts down): the next dead letter opens a
+    new one, so a poison message still reaches <channel>.dlq instead of coming back forever."""
+    app = App("t")
+
+    @app.handler(channel, max_attempts=1)
+    async def work(payload: Job) -> None:
+        raise ValueError("poison")
+
+    transport = RabbitMQTransport(amqp_url)
+    async with running(app, store, transport):
+
+        async def connected() -> bool:
+            return transport._publish_channel is not None
+
+        await eventually(connected)
+        assert transport._publish_channel is not None
+        await transport._publish_channel.close()
+        await publish_stream(amqp_url, channel, 2)
+
+        async def dead_lettered() -> bool:
+            return len(await rabbitmq.peek_dead_letters(amqp_url, channel, limit=10)) == 2
+
+        await eventually(dead_lettered, timeout_s=20)
+    letters = await rabbitmq.peek_dead_letters(amqp_url, channel, limit=10)
+    assert sorted(letter["key"] for letter in letters) == ["k0", "k1"]
+    assert {letter["reason"] for letter in letters} == {"max_attempts_exceeded"}
