@@ -3,6 +3,8 @@ processes get and a dead-letter read without the integration tests' small limit.
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
 from typing import Any
 
 from consumers import kafka, rabbitmq
@@ -12,6 +14,28 @@ from tests.integration.brokers import KafkaBroker, RabbitBroker
 class ChaosRabbit(RabbitBroker):
     def worker_url(self, channel: str) -> str:
         return self.url
+
+    async def backlog(self, channel: str) -> int:
+        """Messages of the channel and its delay queue, ready *or delivered but not yet
+        acknowledged* (AMQP's queue.declare counts only the ready ones, so a message a worker
+        keeps failing to settle would look drained)."""
+        names = {channel, rabbitmq.delay_name(channel)}
+        listing = await asyncio.to_thread(
+            subprocess.run,
+            ["rabbitmqctl", "-q", "list_queues", "name", "messages"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
+        if listing.returncode != 0:
+            return await super().backlog(channel)
+        total = 0
+        for line in listing.stdout.splitlines():
+            parts = line.split("\t")
+            if len(parts) == 2 and parts[0] in names and parts[1].isdigit():
+                total += int(parts[1])
+        return total
 
     async def dead_letters(self, channel: str, limit: int = 100) -> list[dict[str, Any]]:
         return await rabbitmq.peek_dead_letters(self.url, channel, limit=limit)
