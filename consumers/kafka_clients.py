@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 try:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.errors import TopicAlreadyExistsError
+    from aiokafka.errors import KafkaError, TopicAlreadyExistsError
     from aiokafka.structs import TopicPartition
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
@@ -303,6 +303,28 @@ async def partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[TopicPar
     return sorted(TopicPartition(topic, p["partition"]) for p in described["partitions"])
 
 
+async def group_offsets(
+    admin: AIOKafkaAdminClient, group_id: str, tps: list[TopicPartition], *, within_s: float = 30
+) -> dict[TopicPartition, Any]:
+    """The group's committed offsets, waiting out a coordinator that is not there yet (a fresh
+    broker creates __consumer_offsets on the first group lookup and answers
+    COORDINATOR_NOT_AVAILABLE until it has)."""
+    deadline = time.monotonic() + within_s
+    delay = 0.2
+    while True:
+        try:
+            offsets: dict[TopicPartition, Any] = await admin.list_consumer_group_offsets(
+                group_id, partitions=tps
+            )
+            return offsets
+        except KafkaError as exc:
+            if not exc.retriable or time.monotonic() + delay > deadline:
+                raise
+            logger.info("group coordinator for %s not ready (%s); retrying", group_id, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
 def replay_group(channel: str) -> str:
     """The consumer group whose committed offsets on <channel>.dlq mark what was replayed."""
     return f"dedupe-dlq-replay.{channel}"
@@ -315,7 +337,7 @@ async def _replay_positions(
     tps = await partitions_of(admin, dlq_name(channel))
     if not tps:
         return [], {}
-    committed = await admin.list_consumer_group_offsets(replay_group(channel), partitions=tps)
+    committed = await group_offsets(admin, replay_group(channel), tps)
     return tps, {
         tp: meta.offset for tp, meta in committed.items() if meta is not None and meta.offset >= 0
     }
@@ -346,15 +368,19 @@ async def _read_dead_letters(
     return found[:limit]
 
 
-async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
-    """Read up to `limit` dead letters of a channel not replayed yet (see replay_dead_letters)."""
-    options = KafkaOptions.from_url(url)
+async def _pending_dead_letters(options: KafkaOptions, channel: str, *, limit: int) -> list[Any]:
+    """Up to `limit` records of <channel>.dlq from where the replay group left off."""
     async with _admin(options) as admin:
         tps, starts = await _replay_positions(admin, channel)
     if not tps:
         return []
     async with _reader(options) as consumer:
-        records = await _read_dead_letters(consumer, tps, starts, limit=limit)
+        return await _read_dead_letters(consumer, tps, starts, limit=limit)
+
+
+async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
+    """Read up to `limit` dead letters of a channel not replayed yet (see replay_dead_letters)."""
+    records = await _pending_dead_letters(KafkaOptions.from_url(url), channel, limit=limit)
     return [_describe_dead_letter(record) for record in records]
 
 
@@ -375,12 +401,7 @@ async def replay_dead_letters(
     records again; the claims make the second copy a duplicate.
     """
     options = KafkaOptions.from_url(url)
-    async with _admin(options) as admin:
-        tps, starts = await _replay_positions(admin, channel)
-    if not tps:
-        return []
-    async with _reader(options) as consumer:
-        records = await _read_dead_letters(consumer, tps, starts, limit=limit)
+    records = await _pending_dead_letters(options, channel, limit=limit)
     if not records:
         return []
     ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER}
@@ -445,7 +466,7 @@ async def backlog(url: str, channel: str, group_id: str) -> int:
         tps = await partitions_of(admin, channel)
         if not tps:
             return 0
-        committed = await admin.list_consumer_group_offsets(group_id, partitions=tps)
+        committed = await group_offsets(admin, group_id, tps)
     async with _reader(options) as consumer:
         starts = await consumer.beginning_offsets(tps)
         ends = await consumer.end_offsets(tps)
