@@ -19,9 +19,9 @@ logger = logging.getLogger(__name__)
 
 
 class Activity(FlushingObserver):
-    task_name = "dedupe-activity"
-
     """An observer (workers) and a counter (receivers) flushed to PostgreSQL periodically."""
+
+    task_name = "dedupe-activity"
 
     def __init__(self, store: ClaimStore, *, interval_s: float = 5.0) -> None:
         self.store = store

@@ -17,6 +17,7 @@ from .message import Message
 from .transport import Action, Reason, Settlement
 
 logger = logging.getLogger("dedupe.outcome")
+_flush_logger = logging.getLogger(__name__)
 
 
 def outcome_of(settlement: Settlement) -> str:
@@ -126,9 +127,6 @@ class OutcomeLog(Observer):
         )
 
 
-__all__ = ["Observer", "Observers", "OutcomeLog", "outcome_of"]
-
-
 class FlushingObserver(Observer):
     """An observer that buffers and writes in the background: `flush()` every `interval_s`,
     and once more when it stops. Use it as an async context manager."""
@@ -147,7 +145,7 @@ class FlushingObserver(Observer):
             try:
                 await self.flush()
             except StoreError as exc:
-                logging.getLogger(__name__).warning("%s", exc)
+                _flush_logger.warning("%s", exc)
 
     async def __aenter__(self) -> Self:
         self._task = asyncio.create_task(self._loop(), name=self.task_name)
@@ -161,3 +159,6 @@ class FlushingObserver(Observer):
             self._task = None
         with contextlib.suppress(StoreError):
             await self.flush()
+
+
+__all__ = ["FlushingObserver", "Observer", "Observers", "OutcomeLog", "outcome_of"]

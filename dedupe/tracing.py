@@ -50,9 +50,9 @@ def tracer_for(
 
 
 class Tracing(FlushingObserver):
-    task_name = "dedupe-tracing"
-
     """Records a span per settled message; an async context manager for its writer task."""
+
+    task_name = "dedupe-tracing"
 
     def __init__(self, store: ClaimStore, *, tracer_provider: Any = None, interval_s: float = 0.5):
         assert trace is not None
