@@ -61,7 +61,7 @@ def add_common(parser: argparse.ArgumentParser, *, broker: bool) -> None:
         dest="event_loop",
         choices=["auto", "uvloop", "asyncio"],
         help="auto: uvloop when it is installed (pip install 'dedupe-worker[uvloop]'; "
-        "1.2x the messages per second of a worker), else asyncio's own "
+        "1.1-1.2x the messages per second of a worker in our benchmarks), else asyncio's own "
         "[DEDUPE_EVENT_LOOP; default: auto]",
     )
 

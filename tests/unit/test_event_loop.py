@@ -31,9 +31,7 @@ def test_a_missing_uvloop_is_fine_on_auto_and_an_error_when_asked_for(
         loop_factory("uvloop")
 
 
-def test_the_command_runs_its_coroutine_on_the_chosen_loop(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_command_runs_its_coroutine_on_the_chosen_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     uvloop = pytest.importorskip("uvloop")
     seen: list[type] = []
 
