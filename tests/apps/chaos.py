@@ -5,14 +5,15 @@ Test-only configuration, read when the module is imported by a worker process:
   CHAOS_CHANNEL      the channel (each scenario has its own)
   CHAOS_LEASE_S      the handler's lease
   CHAOS_FAILPOINT    claimed | handled | completed: where the hook may kill the worker
-  CHAOS_FAILPOINT_P  the probability of a kill at each pass (default 0.02)
+  CHAOS_FUSE         a path the test creates when it wants the next kill: the first worker
+                     to pass the failpoint while it exists takes it (an atomic rename) and
+                     SIGKILLs itself, so the test paces the kills over the whole stream
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 
 import asyncpg
@@ -89,14 +90,17 @@ async def work(payload: Work, ctx: Context) -> int:
 
 
 _FAILPOINT = os.environ.get("CHAOS_FAILPOINT")
-_PROBABILITY = float(os.environ.get("CHAOS_FAILPOINT_P", "0.02"))
+_FUSE = os.environ.get("CHAOS_FUSE", "")
 
-if _FAILPOINT:
+if _FAILPOINT and _FUSE:
 
     @app.hook(_FAILPOINT)
     async def failpoint(stage: str, message: Message, scope: str, key: str) -> None:
-        if random.random() < _PROBABILITY:
-            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            os.rename(_FUSE, f"{_FUSE}.taken-by-{os.getpid()}")
+        except FileNotFoundError:
+            return  # no kill wanted now, or another worker took it
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 SCHEMA = """

@@ -81,34 +81,24 @@ async def kill_at_random(run: Run) -> int:
 
 
 def kill_at_failpoint(stage: str) -> Fault:
-    """Workers SIGKILL themselves at `stage` with a small probability; restart until enough."""
+    """At each milestone a fuse is laid; the first worker to pass `stage` takes it and
+    SIGKILLs itself (tests/apps/chaos.py); a new worker replaces it."""
 
     async def inject(run: Run) -> int:
-        probability = min(0.05, 3 * run.faults / max(run.workload.n, 1))
-        armed = {"CHAOS_FAILPOINT": stage, "CHAOS_FAILPOINT_P": f"{probability:.5f}"}
-        kills = 0
-        deadline = time.monotonic() + run.timeout_s
-        while kills < run.faults and time.monotonic() < deadline:
-            for proc in run.workers.reap():
-                if proc.returncode == -signal.SIGKILL:
-                    kills += 1
-                else:
-                    run.unexpected_exits += 1
-            if await run.probe.settled() >= run.workload.n:
+        fuse = run.workers.logs / "failpoint.fuse"
+        run.workers.env.update({"CHAOS_FAILPOINT": stage, "CHAOS_FUSE": str(fuse)})
+        async for _ in run.milestones():
+            fuse.touch()
+            deadline = time.monotonic() + 60  # bounded: the stream may have nothing left
+            while fuse.exists() and time.monotonic() < deadline:
+                run.keep_workers()
+                await asyncio.sleep(0.02)
+            if fuse.exists():  # nothing passed the failpoint in a minute: the stream is over
+                fuse.unlink()
                 break
-            env = armed if kills < run.faults else {}
-            while len(run.workers.alive) < run.worker_count:
-                run.workers.start(**env)
-            await asyncio.sleep(0.05)
-        # Enough: replace the armed workers by unarmed ones.
-        for proc in run.workers.alive:
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(proc.wait, 30)
-        for proc in run.workers.reap():
-            if proc.returncode == -signal.SIGKILL:
-                kills += 1
         run.keep_workers()
-        return kills
+        # A worker that took a fuse has killed itself; keep_workers checked it died by SIGKILL.
+        return len(list(fuse.parent.glob(f"{fuse.name}.taken-by-*")))
 
     return inject
 
