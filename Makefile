@@ -52,11 +52,15 @@ chaos: install services  ## the large chaos run: N=100,000 messages, 50 faults p
 	@echo; echo "table rows (.services/chaos-report.md):"; cat .services/chaos-report.md
 
 BENCH_N ?= 20000
-.PHONY: bench bench-memory
+.PHONY: bench bench-memory bench-core
 
 bench: install services  ## benchmarks side by side, as ratios (BENCH_N=20000; about 10 min)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	BENCH_N=$(BENCH_N) $(BIN)/python -m bench.run
+
+bench-core: install services  ## CPU per message in the pipeline alone (no broker; PostgreSQL)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.core --n $(BENCH_N)
 
 bench-memory: install services  ## resident memory of one worker over 1,000,000 messages
 	$(BIN)/python -m pip install --quiet -e '.[bench]'

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
 import logging
 import time
@@ -72,6 +71,7 @@ class _Run:
     fence: Fence
     lease_s: float
     task: asyncio.Task[Any]
+    attempt: int  # the attempt number the claim store counts for this key
     isolate: asyncio.Lock | None = None  # held for the first run after a take-over
     lost: bool = False
     stopping: bool = False
@@ -144,6 +144,7 @@ class Processor:
         self.observer = Observers(observers)
         self._channels = app.channels
         self._slots = asyncio.Semaphore(concurrency)
+        self._runners = concurrency
         self._isolation = asyncio.Lock()
         self._hooks: dict[str, list[Hook]] = {stage: [] for stage in STAGES}
         for stages, hook in app.hooks:
@@ -222,15 +223,25 @@ class Processor:
                     Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)
                 )
             return
-        finishing = [
-            asyncio.create_task(self._finish(delivery, [plan[i] for plan in plans]))
-            for i, delivery in enumerate(deliveries)
+        # A few runner tasks work through the batch, not one task per message: a task per
+        # message parked hundreds of them on the concurrency slots and woke them one by one.
+        work = collections.deque(
+            (delivery, [plan[i] for plan in plans]) for i, delivery in enumerate(deliveries)
+        )
+        runners = [
+            asyncio.create_task(self._work_through(work))
+            for _ in range(min(len(work), self._runners))
         ]
-        self._inflight.update(finishing)
+        self._inflight.update(runners)
         try:
-            await asyncio.gather(*finishing)
+            await asyncio.gather(*runners)
         finally:
-            self._inflight.difference_update(finishing)
+            self._inflight.difference_update(runners)
+
+    async def _work_through(self, work: collections.deque[tuple[Delivery, list[_Planned]]]) -> None:
+        while work:
+            delivery, planned = work.popleft()
+            await self._finish(delivery, planned)
 
     async def _finish(self, delivery: Delivery, planned: list[_Planned]) -> None:
         """Await the delivery's outcomes (one per handler of its channel), then settle it.
@@ -447,34 +458,27 @@ class Processor:
             fence=fence,
             lease_s=handler.lease_s,
             task=task,
+            attempt=claim.attempts,
             isolate=self._isolation if claim.taken_over else None,
         )
         self._runs[(fence.scope, fence.key)] = run
         if claim.taken_over:
             self.stats.taken_over += 1
-        log = logging.LoggerAdapter(
-            _handler_logger(handler.name),
-            {
-                "handler": handler.name,
-                "scope": fence.scope,
-                "key": fence.key,
-                "message_id": message.message_id,
-                "attempt": claim.attempts,
-            },
-        )
         try:
             try:
                 payload = handler.decode(message)
             except InvalidPayload as exc:
                 return await self._give_up(handler, fence, Reason.INVALID_PAYLOAD, str(exc))
-            return await self._attempts(handler, message, payload, run, claim.attempts, log)
+            return await self._attempts(handler, message, payload, run)
         except asyncio.CancelledError:
             if not (run.lost or run.stopping):
                 raise
             task.uncancel()
             if run.lost:
                 self.stats.lease_lost += 1
-                log.warning("lease lost to another worker; this run's writes were rolled back")
+                _log(handler, message, run).warning(
+                    "lease lost to another worker; this run's writes were rolled back"
+                )
                 return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
             await self._give_back(fence)
             return Settlement(Action.REQUEUE, detail="worker stopping")
@@ -482,151 +486,117 @@ class Processor:
             self._runs.pop((fence.scope, fence.key), None)
 
     async def _attempts(
-        self,
-        handler: Handler,
-        message: Message,
-        payload: Any,
-        run: _Run,
-        attempts: int,
-        log: logging.LoggerAdapter[logging.Logger],
+        self, handler: Handler, message: Message, payload: Any, run: _Run
     ) -> Settlement:
-        """Run the handler until it succeeds, fails for good, or runs out of attempts."""
+        """Run the handler until it succeeds, fails for good, or runs out of attempts.
+
+        tenacity's schedule (wait, before_sleep) without its per-call set-up, which cost more
+        than the rest of a no-op run; a retry is rare, a first attempt is not. The loop runs in
+        this frame: every frame between a run and its delivery's task costs at each resume.
+        """
         fence = run.fence
-        counted = [attempts]
-
-        def backoff(state: RetryCallState) -> float:  # built when needed: retries are rare
-            return float(
-                wait_exponential_jitter(
-                    multiplier=handler.backoff_s,
-                    max=handler.max_backoff_s,
-                    jitter=handler.backoff_s,
-                )(state)
-            )
-
-        def wait(state: RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome else None
-            if isinstance(exc, Retry) and exc.delay_s is not None:
-                return float(exc.delay_s)
-            return float(backoff(state))
-
-        def transient(exc: BaseException) -> bool:
-            if isinstance(exc, Retry):
-                return True
-            return isinstance(exc, handler.retry_on) and not isinstance(exc, DedupeError)
-
-        async def record_next_attempt(state: RetryCallState) -> None:
-            self.stats.retried += 1
-            exc = state.outcome.exception() if state.outcome else None
-            log.warning(
-                "attempt %d of %d failed (%s); retrying",
-                counted[0],
-                handler.max_attempts,
-                _describe(exc),
-            )
-            number = await self.store.record_attempt(
-                fence, error=_describe(exc), lease_s=handler.lease_s
-            )
-            if number is None:
-                raise LeaseLost()
-            counted[0] = number
-            if isinstance(log.extra, dict):
-                log.extra["attempt"] = number  # the lines of the next attempt carry its number
-
-        # tenacity's schedule (wait, before_sleep) without its per-call set-up, which cost more
-        # than the rest of a no-op run; a retry is rare, a first attempt is not. The loop runs
-        # in this frame: every frame between a run and its delivery's task costs at each resume.
         number = 0
         try:
             while True:
                 number += 1
                 try:
-                    result = await self._attempt(handler, message, payload, run, counted, log)
+                    result = await self._attempt(handler, message, payload, run)
                     break
                 except Exception as exc:
-                    if not transient(exc) or counted[0] >= handler.max_attempts:
+                    if not _transient(handler, exc) or run.attempt >= handler.max_attempts:
                         raise
-                    state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
-                    state.attempt_number = number
-                    state.set_exception((type(exc), exc, exc.__traceback__))
-                    delay = wait(state)
-                    await record_next_attempt(state)
-                    await asyncio.sleep(delay)
+                    await self._before_retry(handler, message, run, number, exc)
         except LeaseLost:
             self.stats.lease_lost += 1
             return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
         except StoreError as exc:
-            log.warning("claim store unavailable, requeueing: %s", exc)
+            _log(handler, message, run).warning("claim store unavailable, requeueing: %s", exc)
             return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
         except _CrashLoop as exc:
             return await self._give_up(handler, fence, Reason.MAX_ATTEMPTS, str(exc))
         except Reject as exc:
             return await self._give_up(handler, fence, Reason.REJECTED, exc.reason)
         except Exception as exc:
-            if transient(exc):
-                detail = f"{counted[0]} attempts, last: {_describe(exc)}"
+            if _transient(handler, exc):
+                detail = f"{run.attempt} attempts, last: {_describe(exc)}"
                 return await self._give_up(handler, fence, Reason.MAX_ATTEMPTS, detail)
             return await self._give_up(handler, fence, Reason.HANDLER_ERROR, _describe(exc))
         self.stats.completed += 1
         return Settlement(Action.ACK, result=result)
 
-    async def _attempt(
-        self,
-        handler: Handler,
-        message: Message,
-        payload: Any,
-        run: _Run,
-        counted: list[int],
-        log: logging.LoggerAdapter[logging.Logger],
-    ) -> str:
+    async def _before_retry(
+        self, handler: Handler, message: Message, run: _Run, number: int, exc: Exception
+    ) -> None:
+        """Record the failed attempt (fenced), then wait out the backoff before the next."""
+        self.stats.retried += 1
+        if isinstance(exc, Retry) and exc.delay_s is not None:
+            delay = float(exc.delay_s)
+        else:
+            state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
+            state.attempt_number = number
+            state.set_exception((type(exc), exc, exc.__traceback__))
+            backoff = wait_exponential_jitter(
+                multiplier=handler.backoff_s, max=handler.max_backoff_s, jitter=handler.backoff_s
+            )
+            delay = float(backoff(state))
+        _log(handler, message, run).warning(
+            "attempt %d of %d failed (%s); retrying",
+            run.attempt,
+            handler.max_attempts,
+            _describe(exc),
+        )
+        attempt = await self.store.record_attempt(
+            run.fence, error=_describe(exc), lease_s=handler.lease_s
+        )
+        if attempt is None:
+            raise LeaseLost()
+        run.attempt = attempt  # the lines of the next attempt carry its number
+        await asyncio.sleep(delay)
+
+    async def _attempt(self, handler: Handler, message: Message, payload: Any, run: _Run) -> str:
         """One run of the handler, then its completion, atomically with its ctx.db writes."""
         fence = run.fence
-        db = Database(self.store.pool)
+        db = Database(self.store.pool) if handler.takes_context else None
         isolate, run.isolate = run.isolate, None
         try:
-            async with isolate or contextlib.nullcontext(), self._slots:
-                if isolate is not None:
-                    number = await self.store.record_attempt(
-                        fence, error=None, lease_s=handler.lease_s
-                    )
-                    if number is None:
-                        raise LeaseLost()
-                    counted[0] = number
-                    if isinstance(log.extra, dict):
-                        log.extra["attempt"] = number
-                    if number > handler.max_attempts:
-                        raise _CrashLoop(
-                            f"started {number - 1} times without finishing (max_attempts="
-                            f"{handler.max_attempts}): its workers died or lost the database"
-                        )
-                if self._hooks["claimed"]:
-                    await self._run_hooks("claimed", message, fence)
-                if handler.takes_context:
-                    ctx = Context(
-                        key=fence.key,
-                        scope=fence.scope,
-                        attempt=counted[0],
-                        message=message,
-                        db=db,
-                        logger=log,
-                    )
-                    call = handler.fn(payload, ctx)
-                else:
-                    call = handler.fn(payload)
-                began, ok = time.perf_counter(), False
-                try:
-                    if handler.timeout_s is not None:
-                        async with asyncio.timeout(handler.timeout_s):
-                            value = await call
+            if isolate is not None:
+                await isolate.acquire()
+            try:
+                async with self._slots:
+                    if isolate is not None:
+                        await self._count_take_over(handler, run)
+                    if self._hooks["claimed"]:
+                        await self._run_hooks("claimed", message, fence)
+                    if db is None:
+                        call = handler.fn(payload)
                     else:
-                        value = await call
-                    ok = True
-                finally:
-                    self.observer.ran(handler.name, time.perf_counter() - began, ok=ok)
+                        ctx = Context(
+                            key=fence.key,
+                            scope=fence.scope,
+                            attempt=run.attempt,
+                            message=message,
+                            db=db,
+                            logger=_log(handler, message, run),
+                        )
+                        call = handler.fn(payload, ctx)
+                    began, ok = time.perf_counter(), False
+                    try:
+                        if handler.timeout_s is not None:
+                            async with asyncio.timeout(handler.timeout_s):
+                                value = await call
+                        else:
+                            value = await call
+                        ok = True
+                    finally:
+                        self.observer.ran(handler.name, time.perf_counter() - began, ok=ok)
+            finally:
+                if isolate is not None:
+                    isolate.release()
             result = encode_result(value)
             if self._hooks["handled"]:
                 await self._run_hooks("handled", message, fence)
             run.completing = True
-            if db.started:
+            if db is not None and db.started:
                 done = await self.store.complete(
                     [(fence, result, handler.retention_s)], conn=await db.connection()
                 )
@@ -646,7 +616,20 @@ class Processor:
         finally:
             # A run that completed stays `completing`: a heartbeat that read the leases before
             # the completion committed must not take the finished run for a lost one.
-            await db.close()
+            if db is not None:
+                await db.close()
+
+    async def _count_take_over(self, handler: Handler, run: _Run) -> None:
+        """Count the start of a taken-over key's run; too many starts is a crash loop."""
+        attempt = await self.store.record_attempt(run.fence, error=None, lease_s=handler.lease_s)
+        if attempt is None:
+            raise LeaseLost()
+        run.attempt = attempt
+        if attempt > handler.max_attempts:
+            raise _CrashLoop(
+                f"started {attempt - 1} times without finishing (max_attempts="
+                f"{handler.max_attempts}): its workers died or lost the database"
+            )
 
     async def _run_hooks(self, stage: str, message: Message, fence: Fence) -> None:
         for hook in self._hooks[stage]:
@@ -730,6 +713,27 @@ def _describe(exc: BaseException | None) -> str:
 @functools.cache
 def _handler_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"dedupe.handler.{name}")
+
+
+def _log(handler: Handler, message: Message, run: _Run) -> logging.LoggerAdapter[logging.Logger]:
+    """The handler's logger with the message's scope, key, id and attempt on every line."""
+    return logging.LoggerAdapter(
+        _handler_logger(handler.name),
+        {
+            "handler": handler.name,
+            "scope": run.fence.scope,
+            "key": run.fence.key,
+            "message_id": message.message_id,
+            "attempt": run.attempt,
+        },
+    )
+
+
+def _transient(handler: Handler, exc: BaseException) -> bool:
+    """Whether the handler's error is worth another attempt."""
+    if isinstance(exc, Retry):
+        return True
+    return isinstance(exc, handler.retry_on) and not isinstance(exc, DedupeError)
 
 
 def _ready(settlement: Settlement) -> asyncio.Future[Settlement]:
