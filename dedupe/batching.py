@@ -23,10 +23,14 @@ class Batcher(Generic[T, R]):
         self._worker: asyncio.Task[None] | None = None
 
     async def submit(self, item: T) -> R:
+        return await self.submit_nowait(item)
+
+    def submit_nowait(self, item: T) -> asyncio.Future[R]:
+        """Queue an item; its result arrives in the returned future after its flush."""
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
         self._wake()
-        return await future
+        return future
 
     async def submit_many(self, items: Sequence[T]) -> list[R]:
         """Submit several items at once; they may share a flush with other callers'."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import time
@@ -88,9 +89,50 @@ class _Observed:
     started: float
 
 
+@dataclass(eq=False, slots=True)
+class _Pending:
+    """A run whose handler is done and whose completion is queued for the next statement.
+
+    The run's task goes on to its next message instead of waiting for the commit; the batch's
+    settler task concludes the message once `done` resolves (True: completed; False: fenced).
+    """
+
+    handler: Handler
+    message: Message
+    fence: Fence
+    result: str
+    done: asyncio.Future[bool]
+
+
+class _Completions:
+    """The pending completions of one batch, handed from its runners to its settler."""
+
+    __slots__ = ("closed", "queue", "wake")
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[tuple[Delivery, _Observed | None, _Pending]] = (
+            collections.deque()
+        )
+        self.wake: asyncio.Future[None] | None = None
+        self.closed = False
+
+    def add(self, delivery: Delivery, observed: _Observed | None, pending: _Pending) -> None:
+        self.queue.append((delivery, observed, pending))
+        self._poke()
+
+    def close(self) -> None:
+        self.closed = True
+        self._poke()
+
+    def _poke(self) -> None:
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+
+
 # A message's outcome for one handler, and what to report once it is known (None: nothing,
 # the message was settled before any claim).
-_Planned = tuple[Awaitable[Settlement], _Observed | None]
+_Outcome = Settlement | _Pending
+_Planned = tuple[Awaitable[_Outcome], _Observed | None]
 
 
 class _CrashLoop(DedupeError):
@@ -223,47 +265,117 @@ class Processor:
                     Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)
                 )
             return
-        # A few runner tasks work through the batch, not one task per message: a task per
-        # message parked hundreds of them on the concurrency slots and woke them one by one.
+        # A few runner tasks work through the batch, not one task per message (a task per
+        # message parked hundreds of them on the concurrency slots); a run whose handler is
+        # done queues its completion and the runner moves on: the batch's settler concludes
+        # the message once its completion statement commits.
         work = collections.deque(
             (delivery, [plan[i] for plan in plans]) for i, delivery in enumerate(deliveries)
         )
+        completions = _Completions()
         runners = [
-            asyncio.create_task(self._work_through(work))
+            asyncio.create_task(self._work_through(work, completions))
             for _ in range(min(len(work), self._runners))
         ]
-        self._inflight.update(runners)
+        settler = asyncio.create_task(self._settle_completions(completions))
+        tasks = [*runners, settler]
+        self._inflight.update(tasks)
         try:
             await asyncio.gather(*runners)
+            completions.close()
+            await settler
         finally:
-            self._inflight.difference_update(runners)
+            completions.close()
+            self._inflight.difference_update(tasks)
 
-    async def _work_through(self, work: collections.deque[tuple[Delivery, list[_Planned]]]) -> None:
+    async def _work_through(
+        self,
+        work: collections.deque[tuple[Delivery, list[_Planned]]],
+        completions: _Completions,
+    ) -> None:
         while work:
             delivery, planned = work.popleft()
-            await self._finish(delivery, planned)
+            await self._finish(delivery, planned, completions)
 
-    async def _finish(self, delivery: Delivery, planned: list[_Planned]) -> None:
+    async def _finish(
+        self, delivery: Delivery, planned: list[_Planned], completions: _Completions
+    ) -> None:
         """Await the delivery's outcomes (one per handler of its channel), then settle it.
 
-        With one handler (the usual case) its run happens right here, in the delivery's own
-        task: one task per message. Several handlers of a channel run side by side.
+        With one handler (the usual case) its run happens right here, in the runner's task;
+        a completion still to commit goes to the batch's settler. Several handlers of a
+        channel run side by side and their completions are awaited here.
         """
         try:
-            outcomes = [outcome for outcome, _ in planned]
-            if len(outcomes) > 1:
-                outcomes = [asyncio.ensure_future(outcome) for outcome in outcomes]
-            settlements: list[Settlement] = []
-            for outcome, (_, observed) in zip(outcomes, planned, strict=True):
+            if len(planned) == 1:
+                outcome, observed = planned[0]
                 settlement = await outcome
+                if isinstance(settlement, _Pending):
+                    completions.add(delivery, observed, settlement)
+                    return
                 if observed is not None:
                     self._observe(observed, settlement)
-                settlements.append(settlement)
+                settlements = [settlement]
+            else:
+                running = [asyncio.ensure_future(outcome) for outcome, _ in planned]
+                settlements = []
+                for future, (_, observed) in zip(running, planned, strict=True):
+                    result = await future
+                    settlement = (
+                        await self._completed(result) if isinstance(result, _Pending) else result
+                    )
+                    if observed is not None:
+                        self._observe(observed, settlement)
+                    settlements.append(settlement)
         except Exception:
             # A bug, not a message problem: give the message back rather than lose it.
             logger.exception("unexpected error while processing; requeueing the message")
             settlements = [Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)]
-        settlement = max(settlements, key=lambda s: _SEVERITY[s.action])
+        await self._conclude(delivery, settlements)
+
+    async def _settle_completions(self, completions: _Completions) -> None:
+        """Conclude a batch's messages as their completion statements commit, in order."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while completions.queue:
+                delivery, observed, pending = completions.queue.popleft()
+                try:
+                    settlement = await self._completed(pending)
+                    if observed is not None:
+                        self._observe(observed, settlement)
+                except Exception:
+                    logger.exception("unexpected error while completing; requeueing the message")
+                    settlement = Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)
+                await self._conclude(delivery, [settlement])
+            if completions.closed:
+                return
+            completions.wake = loop.create_future()
+            await completions.wake
+
+    async def _completed(self, pending: _Pending) -> Settlement:
+        """The outcome of a run once its completion statement has committed (or failed)."""
+        handler = pending.handler
+        try:
+            done = await pending.done
+        except StoreError as exc:
+            logger.warning("claim store unavailable, requeueing: %s", exc)
+            return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
+        if not done:
+            self.stats.fenced += 1
+            self.stats.lease_lost += 1
+            return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
+        if self._hooks["completed"]:
+            await self._run_hooks("completed", pending.message, pending.fence)
+        self.stats.completed += 1
+        return Settlement(Action.ACK, result=pending.result)
+
+    async def _conclude(self, delivery: Delivery, settlements: list[Settlement]) -> None:
+        """Settle the delivery with the most severe of its handlers' outcomes."""
+        settlement = (
+            settlements[0]
+            if len(settlements) == 1
+            else max(settlements, key=lambda s: _SEVERITY[s.action])
+        )
         if settlement.action is Action.DEAD_LETTER and settlement.reason is not None:
             self.stats.dead_lettered[settlement.reason.value] += 1
         elif settlement.action is Action.DEFER:
@@ -327,7 +439,7 @@ class Processor:
             return [outcome or (_ready(requeue), None) for outcome in outcomes]
         awaited = {first for _, first in repeats}
         for (i, request), claim in zip(requests, claims, strict=True):
-            settle: Awaitable[Settlement] = self._settle_claim(handler, messages[i], request, claim)
+            settle: Awaitable[_Outcome] = self._settle_claim(handler, messages[i], request, claim)
             if i in awaited:
                 settle = self._spawn(settle)
             outcomes[i] = (settle, _Observed(handler, messages[i], request, started))
@@ -381,18 +493,21 @@ class Processor:
             todo = later
         return [claim for claim in claims if claim is not None]
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Settlement]:
-        task: asyncio.Task[Settlement] = asyncio.create_task(coro)
+    def _spawn(self, coro: Any) -> asyncio.Task[_Outcome]:
+        task: asyncio.Task[_Outcome] = asyncio.create_task(coro)
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         return task
 
     async def _after(
-        self, first: Awaitable[Settlement] | None, handler: Handler, message: Message
-    ) -> Settlement:
+        self, first: Awaitable[_Outcome] | None, handler: Handler, message: Message
+    ) -> _Outcome:
         """A second delivery of a key in the same batch: wait for the first, then claim."""
         if first is not None:
-            await asyncio.shield(asyncio.ensure_future(first))
+            outcome = await asyncio.shield(asyncio.ensure_future(first))
+            if isinstance(outcome, _Pending):  # wait for its completion to commit
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(outcome.done)
         scope = handler.scope_of(message) or ""
         request = ClaimRequest(scope, derive_key(handler.key_func, message), message.payload_hash)
         try:
@@ -405,7 +520,7 @@ class Processor:
 
     async def _settle_claim(
         self, handler: Handler, message: Message, request: ClaimRequest, claim: Claim
-    ) -> Settlement:
+    ) -> _Outcome:
         """Decide what a claim's answer means, and run the handler when the key is ours."""
         for _ in range(RECLAIM_TRIES):
             if claim.owned or claim.status is not None:
@@ -446,7 +561,7 @@ class Processor:
         delay = min(self._max_defer_s, handler.lease_s / 3 * 2 ** (message.attempt - 1))
         return Settlement(Action.DEFER, delay_s=delay, detail="key in progress elsewhere")
 
-    async def _run(self, handler: Handler, message: Message, claim: Claim) -> Settlement:
+    async def _run(self, handler: Handler, message: Message, claim: Claim) -> _Outcome:
         assert claim.token is not None
         fence = Fence(claim.scope, claim.key, claim.token)
         task = asyncio.current_task()
@@ -487,7 +602,7 @@ class Processor:
 
     async def _attempts(
         self, handler: Handler, message: Message, payload: Any, run: _Run
-    ) -> Settlement:
+    ) -> _Outcome:
         """Run the handler until it succeeds, fails for good, or runs out of attempts.
 
         tenacity's schedule (wait, before_sleep) without its per-call set-up, which cost more
@@ -521,6 +636,8 @@ class Processor:
                 detail = f"{run.attempt} attempts, last: {_describe(exc)}"
                 return await self._give_up(handler, fence, Reason.MAX_ATTEMPTS, detail)
             return await self._give_up(handler, fence, Reason.HANDLER_ERROR, _describe(exc))
+        if isinstance(result, _Pending):
+            return result
         self.stats.completed += 1
         return Settlement(Action.ACK, result=result)
 
@@ -553,8 +670,14 @@ class Processor:
         run.attempt = attempt  # the lines of the next attempt carry its number
         await asyncio.sleep(delay)
 
-    async def _attempt(self, handler: Handler, message: Message, payload: Any, run: _Run) -> str:
-        """One run of the handler, then its completion, atomically with its ctx.db writes."""
+    async def _attempt(
+        self, handler: Handler, message: Message, payload: Any, run: _Run
+    ) -> str | _Pending:
+        """One run of the handler, then its completion, atomically with its ctx.db writes.
+
+        A run that wrote nothing through ctx.db queues its completion for the next batched
+        statement and returns it pending; the batch's settler concludes it after the commit.
+        """
         fence = run.fence
         db = Database(self.store.pool) if handler.takes_context else None
         isolate, run.isolate = run.isolate, None
@@ -604,9 +727,9 @@ class Processor:
                     self.stats.fenced += 1
                     raise LeaseLost()
                 await db.commit()
-            elif not await self._completer.submit((fence, result, handler.retention_s)):
-                self.stats.fenced += 1
-                raise LeaseLost()
+            else:
+                queued = self._completer.submit_nowait((fence, result, handler.retention_s))
+                return _Pending(handler, message, fence, result, queued)
             if self._hooks["completed"]:
                 await self._run_hooks("completed", message, fence)
             return result

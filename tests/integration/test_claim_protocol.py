@@ -151,6 +151,41 @@ async def test_a_zombie_cannot_complete_and_its_db_writes_roll_back(
     assert [tuple(r) for r in rows] == [("k", "2")]  # only the take-over's write survived
 
 
+async def test_a_zombie_without_db_writes_is_fenced_at_its_batched_completion(
+    store: ClaimStore, second_store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """The batched completion (no ctx.db) is fenced too: the zombie's result never lands."""
+    started, release = asyncio.Event(), asyncio.Event()
+    app = App("t")
+
+    @app.handler(CH, lease_s=1.0)
+    async def work(payload: Job, ctx: Context) -> str:
+        if ctx.key == "k" and ctx.attempt == 1:  # the zombie's run: frozen until let go
+            started.set()
+            await release.wait()
+        return f"run {ctx.attempt}"
+
+    async with (
+        Processor(app, store, heartbeat_s=3600) as zombie,
+        Processor(app, second_store) as healthy,
+    ):
+        zombie_delivery, others = job("k"), [job(f"o{i}") for i in range(5)]
+        zombie_run = asyncio.create_task(process(zombie, zombie_delivery, *others))
+        await asyncio.wait_for(started.wait(), 5)
+        await asyncio.sleep(1.2)  # the lease lapses
+        assert await process(healthy, job("k")) == [Action.ACK]  # take-over, attempt 2
+        # The batch's other messages were settled meanwhile: one stuck run holds up no other.
+        assert all(d.settlements[-1].action is Action.ACK for d in others if d.settlements)
+        assert all(d.settlements for d in others)
+        release.set()
+        # The zombie's completion was refused.
+        assert await zombie_run == [Action.DEFER] + [Action.ACK] * 5
+        assert zombie_delivery.settlements[-1].detail == "lease lost"
+        assert (zombie.stats.fenced, zombie.stats.lease_lost, zombie.stats.completed) == (1, 1, 5)
+    result = await db.fetchval("SELECT result FROM dedupe_claims WHERE key = 'k'")
+    assert json.loads(result) == "run 2"
+
+
 async def test_a_heartbeat_that_finds_the_token_changed_cancels_the_handler(
     store: ClaimStore, db: asyncpg.Connection, effects: asyncpg.Connection
 ) -> None:
