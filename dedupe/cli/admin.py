@@ -11,6 +11,7 @@ from ..operations import FINISHED, ClaimAdmin
 from ..settings import Settings
 from ..store import ClaimStore, migrate
 from .options import cell, confirm, print_rows
+from .run import broker_unreachable
 
 
 async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -111,11 +112,26 @@ async def _purge(args: argparse.Namespace, admin: ClaimAdmin) -> int:
 
 async def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
     kafka = settings.broker_url.startswith("kafka://")
+    unreachable: tuple[type[BaseException], ...]
     if kafka:
+        from aiokafka.errors import KafkaConnectionError
+
         from consumers import kafka_clients as broker
+
+        unreachable = (OSError, KafkaConnectionError)
     else:
+        from aiormq.exceptions import AMQPConnectionError
+
         from consumers import rabbitmq as broker  # type: ignore[no-redef]
 
+        unreachable = (OSError, AMQPConnectionError)
+    try:
+        return await _dlq(args, settings, broker, kafka=kafka)
+    except unreachable as exc:
+        raise broker_unreachable(settings, exc) from exc
+
+
+async def _dlq(args: argparse.Namespace, settings: Settings, broker: Any, *, kafka: bool) -> int:
     if args.dlq_command == "list":
         rows = await broker.peek_dead_letters(settings.broker_url, args.channel, limit=args.limit)
         if args.json:

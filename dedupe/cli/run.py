@@ -118,12 +118,17 @@ async def _connect_broker(transport: Transport, settings: Settings) -> None:
         try:
             await connect()
         except Exception as exc:
-            raise DedupeError(
-                f"cannot reach the broker at {redact(settings.broker_url)}: {exc}. Is it "
-                "running (`make services`)? Set the URL with --broker or DEDUPE_BROKER_URL."
-            ) from exc
+            raise broker_unreachable(settings, exc) from exc
 
     await retrying("broker", attempt, settings.connect_timeout_s)
+
+
+def broker_unreachable(settings: Settings, exc: BaseException) -> DedupeError:
+    """The error to show when the broker cannot be reached: where, why, and what to do."""
+    return DedupeError(
+        f"cannot reach the broker at {redact(settings.broker_url)}: {exc}. Is it "
+        "running (`make services`)? Set the URL with --broker or DEDUPE_BROKER_URL."
+    )
 
 
 async def _report(processor: Processor, interval_s: float) -> None:

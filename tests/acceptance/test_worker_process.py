@@ -143,6 +143,13 @@ def test_cli_errors_say_what_to_do(db_url: str, tmp_path: Path) -> None:
     invalid = run_cli("run", "handlers.payments:app", "--broker", "http://x")
     assert invalid.returncode == 2 and "broker_url" in invalid.stderr
 
+    # The dead-letter commands on a broker that is not there: the same advice, no traceback.
+    for broker in ("amqp://guest:guest@127.0.0.1:1/", "kafka://127.0.0.1:1"):
+        gone = run_cli("dlq", "list", "payments", "--broker", broker, "--database", db_url)
+        assert gone.returncode == 1, gone.stderr
+        assert "cannot reach the broker" in gone.stderr and "make services" in gone.stderr
+        assert "Traceback" not in gone.stderr
+
 
 async def test_run_refuses_an_unmigrated_database(admin_free_db: str) -> None:
     """A worker on a database without the claims table says to run migrate."""
