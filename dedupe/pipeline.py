@@ -201,6 +201,7 @@ class Processor:
         self._claimers: dict[str, Batcher[ClaimRequest, Claim]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[Any]] = set()
+        self._messages_in_flight = 0
         leases = [h.lease_s for h in app.handlers.values()] or [30.0]
         self._heartbeat_s = heartbeat_s or min(leases) / 3
 
@@ -236,12 +237,20 @@ class Processor:
 
     @property
     def in_flight(self) -> int:
-        return len(self._inflight)
+        """Messages whose batch is being claimed, run or settled."""
+        return self._messages_in_flight
 
     # -- processing ------------------------------------------------------------------------
 
     async def process(self, channel: str, deliveries: Sequence[Delivery]) -> None:
         """Claim, run and settle a batch of deliveries from one channel."""
+        self._messages_in_flight += len(deliveries)
+        try:
+            await self._process(channel, deliveries)
+        finally:
+            self._messages_in_flight -= len(deliveries)
+
+    async def _process(self, channel: str, deliveries: Sequence[Delivery]) -> None:
         handlers = self._channels.get(channel)
         if not handlers:
             for delivery in deliveries:

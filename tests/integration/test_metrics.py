@@ -67,6 +67,27 @@ async def test_messages_are_counted_by_handler_and_outcome(store: ClaimStore) ->
     assert value(metrics, "dedupe_claim_seconds_bucket", handler="work", le="0.001") <= 4
 
 
+async def test_in_flight_counts_the_messages_of_running_batches(store: ClaimStore) -> None:
+    """The in-flight gauge counts messages (not the tasks that run them) until settled."""
+    metrics = Metrics()
+    started, release = asyncio.Event(), asyncio.Event()
+    app = App("m")
+
+    @app.handler(CH)
+    async def work(payload: Job) -> None:
+        started.set()
+        await release.wait()
+
+    async with Processor(app, store, observers=[metrics]) as processor:
+        metrics.watch_processor(processor)
+        running = asyncio.create_task(processor.process(CH, [job(f"k{i}") for i in range(5)]))
+        await asyncio.wait_for(started.wait(), 5)
+        assert value(metrics, "dedupe_in_flight") == 5
+        release.set()
+        await running
+        assert value(metrics, "dedupe_in_flight") == 0
+
+
 async def test_take_overs_and_fenced_completions_are_counted(
     store: ClaimStore, db: asyncpg.Connection
 ) -> None:
