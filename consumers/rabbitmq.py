@@ -235,6 +235,8 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 class RabbitMQTransport(Transport):
     """Consume channels from RabbitMQ and settle deliveries as the core decides."""
 
+    WATCH_S = 5.0  # how often the consuming channel is looked at (see _watch)
+
     def __init__(
         self,
         url: str,
@@ -273,22 +275,10 @@ class RabbitMQTransport(Transport):
     async def serve(self, channels: Sequence[str], process: Process, stop: asyncio.Event) -> None:
         await self.connect()
         assert self._channel is not None
-        inboxes: dict[str, asyncio.Queue[AbstractIncomingMessage]] = {}
-        consumers: list[tuple[AbstractQueue, str]] = []
-        for name in channels:
-            queue = await declare_channel(self._channel, name)
-            inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
-            inboxes[name] = inbox
-
-            async def arrived(
-                incoming: AbstractIncomingMessage,
-                inbox: asyncio.Queue[AbstractIncomingMessage] = inbox,
-            ) -> None:
-                self._acks.delivered(incoming)
-                inbox.put_nowait(incoming)
-
-            tag = await queue.consume(arrived, no_ack=False)
-            consumers.append((queue, tag))
+        inboxes: dict[str, asyncio.Queue[AbstractIncomingMessage]] = {
+            name: asyncio.Queue() for name in channels
+        }
+        consumers = await self._consume(self._channel, inboxes)
         logger.info("consuming %s (prefetch %d)", ", ".join(channels), self.prefetch)
         processing: set[asyncio.Task[None]] = set()
         dispatchers = [
@@ -297,9 +287,12 @@ class RabbitMQTransport(Transport):
             )
             for name, inbox in inboxes.items()
         ]
+        watchdog = asyncio.create_task(self._watch(inboxes, consumers), name="rabbitmq-watchdog")
         try:
             await stop.wait()
         finally:
+            watchdog.cancel()
+            await asyncio.gather(watchdog, return_exceptions=True)
             for queue, tag in consumers:
                 with contextlib.suppress(Exception):
                     await queue.cancel(tag)
@@ -316,6 +309,62 @@ class RabbitMQTransport(Transport):
             if processing:
                 await asyncio.gather(*processing, return_exceptions=True)
             await self._acks.drain()
+
+    async def _consume(
+        self,
+        channel: AbstractChannel,
+        inboxes: Mapping[str, asyncio.Queue[AbstractIncomingMessage]],
+    ) -> list[tuple[AbstractQueue, str]]:
+        """Declare each channel's queues and consume them into its inbox."""
+        consumers: list[tuple[AbstractQueue, str]] = []
+        for name, inbox in inboxes.items():
+            queue = await declare_channel(channel, name)
+
+            async def arrived(
+                incoming: AbstractIncomingMessage,
+                inbox: asyncio.Queue[AbstractIncomingMessage] = inbox,
+            ) -> None:
+                self._acks.delivered(incoming)
+                inbox.put_nowait(incoming)
+
+            tag = await queue.consume(arrived, no_ack=False)
+            consumers.append((queue, tag))
+        return consumers
+
+    async def _watch(
+        self,
+        inboxes: Mapping[str, asyncio.Queue[AbstractIncomingMessage]],
+        consumers: list[tuple[AbstractQueue, str]],
+    ) -> None:
+        """Consume again on a new channel when the consuming one stays closed.
+
+        aio-pika restores channels after a reconnect, except when the restore itself fails
+        (the broker still going down); the channel then stays closed while the connection is
+        up, and without this the worker would sit idle for good. Two looks WATCH_S apart, so
+        a restore in progress is left to finish.
+        """
+        closed_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.WATCH_S)
+            connection, channel = self._connection, self._channel
+            if connection is None or channel is None:
+                return
+            if not channel.is_closed or not connection.connected.is_set():
+                closed_since = None
+                continue
+            if closed_since is None:
+                closed_since = loop.time()
+                continue
+            logger.warning("the consuming channel stayed closed; consuming on a new one")
+            try:
+                fresh = await connection.channel()
+                await fresh.set_qos(prefetch_count=self.prefetch)
+                consumers[:] = await self._consume(fresh, inboxes)
+            except Exception as exc:
+                logger.warning("could not consume on a new channel yet (%s); retrying", exc)
+                continue
+            self._channel, closed_since = fresh, None
 
     async def _dispatch(
         self,

@@ -139,3 +139,26 @@ async def test_dead_letters_still_go_out_when_the_copy_channel_was_lost(
     letters = await rabbitmq.peek_dead_letters(amqp_url, channel, limit=10)
     assert sorted(letter["key"] for letter in letters) == ["k0", "k1"]
     assert {letter["reason"] for letter in letters} == {"max_attempts_exceeded"}
+
+
+async def test_consuming_resumes_when_the_consuming_channel_was_lost(
+    amqp_url: str, channel: str, db_url: str, db: asyncpg.Connection
+) -> None:
+    """The consuming channel closed for good under a running worker (a failed restore): the
+    watchdog consumes on a new channel, so the worker does not sit idle while messages wait."""
+    await db.execute("CREATE TABLE effects (key text NOT NULL)")
+    transport = RabbitMQTransport(amqp_url)
+    transport.WATCH_S = 0.5
+    async with (
+        ClaimStore.open(db_url, owner="w", max_size=10) as store,
+        running(effect_app(channel), store, transport),
+    ):
+
+        async def consuming() -> bool:
+            return transport._channel is not None
+
+        await eventually(consuming)
+        assert transport._channel is not None
+        await transport._channel.close()
+        await publish_stream(amqp_url, channel, 50)
+        await all_effects_once(db, 50)
