@@ -12,7 +12,7 @@ R = TypeVar("R")
 
 
 class Batcher(Generic[T, R]):
-    """Coalesce concurrent `submit` calls into calls of `flush(items) -> results`."""
+    """Coalesce concurrent submissions into calls of `flush(items) -> results`."""
 
     def __init__(
         self, flush: Callable[[Sequence[T]], Awaitable[Sequence[R]]], *, max_batch: int = 500
@@ -21,9 +21,6 @@ class Batcher(Generic[T, R]):
         self._max_batch = max_batch
         self._pending: list[tuple[T, asyncio.Future[R]]] = []
         self._worker: asyncio.Task[None] | None = None
-
-    async def submit(self, item: T) -> R:
-        return await self.submit_nowait(item)
 
     def submit_nowait(self, item: T) -> asyncio.Future[R]:
         """Queue an item; its result arrives in the returned future after its flush."""

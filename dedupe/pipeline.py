@@ -412,7 +412,7 @@ class Processor:
     async def _plan(self, handler: Handler, messages: Sequence[Message]) -> list[_Planned]:
         """Claim every message's key in one statement; return each message's outcome.
 
-        An outcome is a coroutine that the delivery's task runs (or a settled future); the
+        An outcome is a coroutine that a runner task runs (or a settled future); the
         first of a key that the batch holds twice is a task of its own, which the second
         awaits before it claims the key again.
         """
@@ -616,7 +616,7 @@ class Processor:
 
         tenacity's schedule (wait, before_sleep) without its per-call set-up, which cost more
         than the rest of a no-op run; a retry is rare, a first attempt is not. The loop runs in
-        this frame: every frame between a run and its delivery's task costs at each resume.
+        this frame: every frame between a run and its runner task costs at each resume.
         """
         fence = run.fence
         number = 0
