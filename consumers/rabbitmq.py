@@ -343,18 +343,17 @@ class RabbitMQTransport(Transport):
         up, and without this the worker would sit idle for good. Two looks WATCH_S apart, so
         a restore in progress is left to finish.
         """
-        closed_since: float | None = None
-        loop = asyncio.get_running_loop()
+        closed_before = False
         while True:
             await asyncio.sleep(self.WATCH_S)
             connection, channel = self._connection, self._channel
             if connection is None or channel is None:
                 return
             if not channel.is_closed or not connection.connected.is_set():
-                closed_since = None
+                closed_before = False
                 continue
-            if closed_since is None:
-                closed_since = loop.time()
+            if not closed_before:
+                closed_before = True
                 continue
             logger.warning("the consuming channel stayed closed; consuming on a new one")
             try:
@@ -364,7 +363,7 @@ class RabbitMQTransport(Transport):
             except Exception as exc:
                 logger.warning("could not consume on a new channel yet (%s); retrying", exc)
                 continue
-            self._channel, closed_since = fresh, None
+            self._channel, closed_before = fresh, False
 
     async def _dispatch(
         self,
