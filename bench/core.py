@@ -51,8 +51,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 # Warm up: prepared statements, pool connections, imports.
                 await processor.process(channel, deliveries(channel, 0, 200, prefix="warm"))
                 rounds: list[dict[str, Any]] = []
-                for kind in args.kinds.split(","):
-                    prefix = "new" if kind == "new" else "warm2"
+                for number, kind in enumerate(args.kinds.split(",")):
+                    prefix = f"round{number}"  # keys no earlier round has used
                     if kind == "dup":  # the same keys as a completed stream before it
                         await processor.process(
                             channel, deliveries(channel, 0, args.n, prefix=prefix)
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--asyncio", dest="uvloop", action="store_false", help="no uvloop")
     parser.add_argument("--profile", help="write a pyinstrument text profile here")
     args = parser.parse_args(argv)
+    if not set(args.kinds.split(",")) <= {"new", "dup"}:
+        parser.error(f"--kinds takes new and dup, comma-separated; got {args.kinds!r}")
     args.n = max(1, min(args.n, 1_000_000))
     if args.uvloop:
         import uvloop
