@@ -9,14 +9,17 @@ SELECT at, event, token, owner, attempts, detail
 
 -- name: purge_batch
 -- Delete one batch of finished claims last touched before the cut-off; never in-progress ones.
-DELETE FROM dedupe_claims
- WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM dedupe_claims
+-- By primary key, not ctid: see gc_batch.
+DELETE FROM dedupe_claims AS c
+ USING (SELECT scope, key FROM dedupe_claims
          WHERE status = ANY($1::text[]) AND status <> 'in_progress'
            AND updated_at < now() - make_interval(secs => $2)
            AND ($3::text IS NULL OR scope = $3 OR scope LIKE $3 || '/%')
          LIMIT $4
-           FOR UPDATE SKIP LOCKED));
+           FOR UPDATE SKIP LOCKED) AS old
+ WHERE c.scope = old.scope AND c.key = old.key
+   AND c.status = ANY($1::text[]) AND c.status <> 'in_progress'
+   AND c.updated_at < now() - make_interval(secs => $2);
 
 -- name: overview
 -- Claims by handler (the scope without its tenant) and status, with what the table cannot

@@ -101,13 +101,17 @@ RETURNING status;
 
 -- name: gc_batch
 -- Delete one batch of expired rows. SKIP LOCKED keeps clean-up out of the workers' way.
-DELETE FROM dedupe_claims
- WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM dedupe_claims
+-- Rows are picked by their primary key, not by ctid (a ctid names a row only within one
+-- partition: on a partitioned claims table it would match live rows of other partitions),
+-- and the outer DELETE checks the expiry again.
+DELETE FROM dedupe_claims AS c
+ USING (SELECT scope, key FROM dedupe_claims
          WHERE expires_at < now() AND (status <> 'in_progress' OR lease_until < now())
          ORDER BY expires_at
          LIMIT $1
-           FOR UPDATE SKIP LOCKED));
+           FOR UPDATE SKIP LOCKED) AS expired
+ WHERE c.scope = expired.scope AND c.key = expired.key
+   AND c.expires_at < now() AND (c.status <> 'in_progress' OR c.lease_until < now());
 
 -- name: list_claims
 SELECT scope, key, status, retryable, token, owner, attempts, lease_until, error,

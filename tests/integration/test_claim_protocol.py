@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context, Reject, Retry
 from dedupe.errors import ConfigurationError
+from dedupe.operations import ClaimAdmin
 from dedupe.pipeline import Processor
 from dedupe.store import ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Action, Reason
@@ -456,6 +457,54 @@ async def test_clean_up_removes_only_expired_rows(
     assert await store.gc(batch_size=10) == 27
     left = await db.fetch("SELECT key FROM dedupe_claims ORDER BY key")
     assert [r["key"] for r in left] == ["fresh", "running"]
+
+
+async def test_clean_up_and_purge_on_a_hash_partitioned_table_delete_only_their_rows(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """The partitioning recipe of docs/operations.md: gc and purge delete the expired or old
+    rows of every partition and never a live row that sits at the same place in another."""
+    await db.execute(
+        """
+        DROP TABLE dedupe_claims CASCADE;
+        CREATE TABLE dedupe_claims (
+            scope text NOT NULL, key text NOT NULL, payload_hash bytea NOT NULL,
+            status text NOT NULL, retryable boolean NOT NULL DEFAULT false,
+            token bigint NOT NULL DEFAULT 1, owner text NOT NULL,
+            attempts integer NOT NULL DEFAULT 1, lease_until timestamptz, result jsonb,
+            error text, created_at timestamptz NOT NULL DEFAULT now(),
+            updated_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz NOT NULL,
+            trace_id text, PRIMARY KEY (scope, key)
+        ) PARTITION BY HASH (scope, key);
+        CREATE TABLE dedupe_claims_p0 PARTITION OF dedupe_claims
+            FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+        CREATE TABLE dedupe_claims_p1 PARTITION OF dedupe_claims
+            FOR VALUES WITH (MODULUS 2, REMAINDER 1);
+        INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, expires_at, updated_at)
+        SELECT 's', 'k' || i, '\\x00', 'completed', 'w',
+               now() + CASE WHEN i % 2 = 0 THEN interval '-1 s' ELSE interval '1 day' END,
+               now() - CASE WHEN i % 2 = 0 THEN interval '2 days' ELSE interval '0 s' END
+          FROM generate_series(1, 40) i;
+        """
+    )
+    # Both partitions hold expired and live rows, so their row positions (ctid) coincide.
+    per_partition = await db.fetch(
+        "SELECT tableoid::regclass::text AS part, count(*) FILTER (WHERE expires_at < now())"
+        " AS expired, count(*) AS rows FROM dedupe_claims GROUP BY 1 ORDER BY 1"
+    )
+    assert len(per_partition) == 2
+    assert all(0 < r["expired"] < r["rows"] for r in per_partition)
+    assert await store.gc(batch_size=7) == 20
+    left = await db.fetch("SELECT key FROM dedupe_claims")
+    assert sorted(int(r["key"][1:]) for r in left) == list(range(1, 41, 2))
+    await db.execute(
+        "INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, expires_at,"
+        " updated_at) SELECT 's', 'old' || i, '\\x00', 'failed', 'w', now() + interval '1 day',"
+        " now() - interval '2 days' FROM generate_series(1, 20) i"
+    )
+    assert await ClaimAdmin(store).purge(older_than_s=86400, batch_size=7) == 20
+    left = await db.fetch("SELECT key FROM dedupe_claims")
+    assert sorted(int(r["key"][1:]) for r in left) == list(range(1, 41, 2))
 
 
 async def test_hooks_see_each_stage_in_order(
