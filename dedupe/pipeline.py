@@ -551,7 +551,14 @@ class Processor:
                 "key conflict: %s/%s was used before with another payload",
                 claim.scope,
                 claim.key,
-                extra={"scope": claim.scope, "key": claim.key},
+                extra={
+                    "handler": handler.name,
+                    "scope": claim.scope,
+                    "key": claim.key,
+                    "message_id": message.message_id,
+                    "attempt": message.attempt,
+                    "outcome": "conflict",
+                },
             )
             return _dead_letter(
                 Reason.KEY_CONFLICT,
