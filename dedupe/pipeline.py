@@ -74,6 +74,7 @@ class _Run:
     task: asyncio.Task[Any]
     attempt: int  # the attempt number the claim store counts for this key
     isolate: asyncio.Lock | None = None  # held for the first run after a take-over
+    recount: bool = False  # a re-claimed key: count its attempt just before it starts
     lost: bool = False
     stopping: bool = False
     completing: bool = False
@@ -585,12 +586,15 @@ class Processor:
         # A take-over means a worker died holding this key. Its first run here happens alone
         # and is counted just before it starts, so that if this message is what kills workers,
         # only it is charged for the crash, not the messages that were claimed beside it.
+        # A key handed back by a worker that stopped (or released by an operator) is counted
+        # the same way but need not run alone: no crash is in its history.
         run = _Run(
             fence=fence,
             lease_s=handler.lease_s,
             task=task,
             attempt=claim.attempts,
             isolate=self._isolation if claim.taken_over else None,
+            recount=claim.taken_over or claim.handed_back,
         )
         self._runs[(fence.scope, fence.key)] = run
         if claim.taken_over:
@@ -697,12 +701,13 @@ class Processor:
         fence = run.fence
         db = Database(self.store.pool) if handler.takes_context else None
         isolate, run.isolate = run.isolate, None
+        recount, run.recount = run.recount, False
         try:
             if isolate is not None:
                 await isolate.acquire()
             try:
                 async with self._slots:
-                    if isolate is not None:
+                    if recount:
                         await self._count_take_over(handler, run)
                     if self._hooks["claimed"]:
                         await self._run_hooks("claimed", message, fence)

@@ -66,7 +66,8 @@ class Claim:
     key: str
     token: int | None
     attempts: int
-    taken_over: bool = False
+    taken_over: bool = False  # re-claimed from a worker whose lease lapsed (it died)
+    handed_back: bool = False  # re-claimed after a graceful give-back or an operator's release
     status: str | None = None
     same_payload: bool | None = None
     lease_live: bool | None = None
@@ -167,7 +168,8 @@ class ClaimStore:
                 key=row["key"],
                 token=row["token"],
                 attempts=row["attempts"] or row["existing_attempts"] or 0,
-                taken_over=(row["token"] or 0) > 1,
+                taken_over=(row["token"] or 0) > 1 and not row["handed_back"],
+                handed_back=bool(row["handed_back"]),
                 status=row["status"],
                 same_payload=row["same_payload"],
                 lease_live=row["lease_live"],

@@ -22,7 +22,8 @@ claimed AS (
     ON CONFLICT (scope, key) DO UPDATE
         SET token = c.token + 1, owner = EXCLUDED.owner,
             status = 'in_progress', retryable = false, lease_until = EXCLUDED.lease_until,
-            error = NULL, updated_at = now(), expires_at = EXCLUDED.expires_at
+            error = NULL, updated_at = now(), claimed_at = now(),
+            expires_at = EXCLUDED.expires_at
         WHERE c.payload_hash = EXCLUDED.payload_hash
           AND ((c.status = 'in_progress' AND c.lease_until < now())
                OR (c.status = 'failed' AND c.retryable))
@@ -31,7 +32,14 @@ claimed AS (
 SELECT i.scope, i.key, cl.token, cl.attempts,
        e.status, e.payload_hash = i.payload_hash AS same_payload,
        e.lease_until > now() AS lease_live, e.result::text AS result, e.error,
-       e.attempts AS existing_attempts, e.dead_lettered_at IS NOT NULL AS dead_lettered
+       e.attempts AS existing_attempts, e.dead_lettered_at IS NOT NULL AS dead_lettered,
+       -- A re-claim of a key its worker handed back (graceful shutdown, an operator's
+       -- release), not of a dead worker's lapsed lease. The main query reads the rows as
+       -- they were before this statement; only re-claims (rare) look.
+       CASE WHEN cl.token > 1 THEN
+           (SELECT b.status = 'in_progress' AND b.retryable FROM dedupe_claims b
+             WHERE b.scope = i.scope AND b.key = i.key)
+       END AS handed_back
 FROM input i
 LEFT JOIN claimed cl ON cl.scope = i.scope AND cl.key = i.key
 LEFT JOIN dedupe_claims e ON cl.token IS NULL AND e.scope = i.scope AND e.key = i.key;
@@ -85,8 +93,10 @@ UPDATE dedupe_claims AS c
 
 -- name: give_back
 -- Graceful shutdown: hand the key back at once and do not count the interrupted attempt.
+-- `retryable` marks it handed back: its next run need not wait as a dead worker's key does.
 UPDATE dedupe_claims
-   SET lease_until = now(), attempts = greatest(attempts - 1, 0), updated_at = now()
+   SET lease_until = now(), attempts = greatest(attempts - 1, 0), retryable = true,
+       updated_at = now()
  WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
 RETURNING 1;
 
@@ -114,14 +124,15 @@ DELETE FROM dedupe_claims AS c
    AND c.expires_at < now() AND (c.status <> 'in_progress' OR c.lease_until < now());
 
 -- name: list_claims
+-- Ages count from the current run's claim (claimed_at), not the key's first one.
 SELECT scope, key, status, retryable, token, owner, attempts, lease_until, error,
-       created_at, updated_at, expires_at,
-       extract(epoch FROM now() - created_at)::float8 AS age_s
+       created_at, claimed_at, updated_at, expires_at,
+       extract(epoch FROM now() - claimed_at)::float8 AS age_s
   FROM dedupe_claims
  WHERE ($1::text IS NULL OR scope = $1 OR scope LIKE $1 || '/%')
    AND ($2::text IS NULL OR status = $2)
-   AND ($3::float8 IS NULL OR created_at < now() - make_interval(secs => $3))
- ORDER BY created_at DESC
+   AND ($3::float8 IS NULL OR claimed_at < now() - make_interval(secs => $3))
+ ORDER BY claimed_at DESC
  LIMIT $4;
 
 -- name: show_claim

@@ -17,6 +17,7 @@ from dedupe.operations import ClaimAdmin
 from dedupe.pipeline import Processor
 from dedupe.store import ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Action, Reason
+from tests.conftest import eventually
 
 CH = "work"
 
@@ -411,6 +412,50 @@ async def test_a_graceful_stop_gives_the_key_back_at_once(
     assert claim.owned and claim.token == 2
 
 
+async def test_keys_handed_back_at_a_graceful_stop_run_side_by_side_on_the_next_worker(
+    store: ClaimStore, second_store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """Keys a stopping worker gave back are counted once more but not run one at a time as
+    a dead worker's keys are (four 0.5 s runs take about 0.5 s, not 2 s); a dead worker's
+    keys still are."""
+    stop = asyncio.Event()
+    running: list[int] = []
+    peak = [0]
+    app = App("t")
+
+    @app.handler(CH, lease_s=30.0)
+    async def work(payload: Job, ctx: Context) -> int:
+        running.append(1)
+        peak[0] = max(peak[0], len(running))
+        try:
+            if not stop.is_set():
+                await asyncio.sleep(30)  # the first worker stops meanwhile
+            await asyncio.sleep(0.5)
+        finally:
+            running.pop()
+        return ctx.attempt
+
+    deliveries = [job(f"k{i}") for i in range(4)]
+    async with Processor(app, store) as first:
+        task = asyncio.create_task(process(first, *deliveries))
+
+        async def all_started() -> bool:
+            return len(running) == 4
+
+        await eventually(all_started)
+        await first.drain(timeout_s=0.1)
+        assert await task == [Action.REQUEUE] * 4
+    stop.set()
+    peak[0] = 0
+    again = [job(f"k{i}") for i in range(4)]
+    async with Processor(app, second_store) as second:
+        assert await process(second, *again) == [Action.ACK] * 4
+    assert peak[0] == 4
+    assert [json.loads(d.settlements[-1].result or "0") for d in again] == [1] * 4
+    rows = await db.fetch("SELECT attempts, status FROM dedupe_claims")
+    assert {(r["attempts"], r["status"]) for r in rows} == {(1, "completed")}
+
+
 async def test_released_failed_keys_run_again(store: ClaimStore) -> None:
     """An operator release turns a failed key claimable; the next delivery runs it."""
     fail = [True]
@@ -466,20 +511,15 @@ async def test_clean_up_and_purge_on_a_hash_partitioned_table_delete_only_their_
     rows of every partition and never a live row that sits at the same place in another."""
     await db.execute(
         """
-        DROP TABLE dedupe_claims CASCADE;
-        CREATE TABLE dedupe_claims (
-            scope text NOT NULL, key text NOT NULL, payload_hash bytea NOT NULL,
-            status text NOT NULL, retryable boolean NOT NULL DEFAULT false,
-            token bigint NOT NULL DEFAULT 1, owner text NOT NULL,
-            attempts integer NOT NULL DEFAULT 1, lease_until timestamptz, result jsonb,
-            error text, created_at timestamptz NOT NULL DEFAULT now(),
-            updated_at timestamptz NOT NULL DEFAULT now(), expires_at timestamptz NOT NULL,
-            trace_id text, PRIMARY KEY (scope, key)
-        ) PARTITION BY HASH (scope, key);
+        ALTER TABLE dedupe_claims RENAME TO dedupe_claims_old;
+        CREATE TABLE dedupe_claims (LIKE dedupe_claims_old INCLUDING DEFAULTS INCLUDING CONSTRAINTS)
+            PARTITION BY HASH (scope, key);
         CREATE TABLE dedupe_claims_p0 PARTITION OF dedupe_claims
             FOR VALUES WITH (MODULUS 2, REMAINDER 0);
         CREATE TABLE dedupe_claims_p1 PARTITION OF dedupe_claims
             FOR VALUES WITH (MODULUS 2, REMAINDER 1);
+        ALTER TABLE dedupe_claims ADD PRIMARY KEY (scope, key);
+        DROP TABLE dedupe_claims_old CASCADE;
         INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, expires_at, updated_at)
         SELECT 's', 'k' || i, '\\x00', 'completed', 'w',
                now() + CASE WHEN i % 2 = 0 THEN interval '-1 s' ELSE interval '1 day' END,
