@@ -53,7 +53,7 @@ LATENCY_BUCKETS_S = (
 OUTCOMES = ("completed", "duplicate", "conflict", "dead_lettered", "deferred", "requeued")
 
 OLDEST_IN_PROGRESS_SQL = """
-SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_s,
+SELECT coalesce(extract(epoch FROM now() - min(claimed_at)), 0)::float8 AS oldest_s,
        count(*) FILTER (WHERE lease_until < now()) AS stuck
   FROM dedupe_claims WHERE status = 'in_progress'
 """

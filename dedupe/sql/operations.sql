@@ -46,12 +46,12 @@ SELECT coalesce(c.handler, n.handler) AS handler,
 -- name: stuck
 -- Claims in progress for longer than $1 seconds, oldest first (the partial index on
 -- in-progress claims keeps this cheap on a large table).
-SELECT scope, key, owner, token, attempts, lease_until, created_at,
-       extract(epoch FROM now() - created_at)::float8 AS age_s,
+SELECT scope, key, owner, token, attempts, lease_until, created_at, claimed_at,
+       extract(epoch FROM now() - claimed_at)::float8 AS age_s,
        coalesce(lease_until < now(), true) AS lease_lapsed
   FROM dedupe_claims
- WHERE status = 'in_progress' AND created_at < now() - make_interval(secs => $1)
- ORDER BY created_at
+ WHERE status = 'in_progress' AND claimed_at < now() - make_interval(secs => $1)
+ ORDER BY claimed_at
  LIMIT $2;
 
 -- name: recent_events
@@ -87,7 +87,7 @@ SELECT c.scope, c.key, c.trace_id
 
 -- name: show_claim
 SELECT scope, key, encode(payload_hash, 'hex') AS payload_hash, status, retryable, token, owner,
-       attempts, lease_until, result::text AS result, error, created_at, updated_at, expires_at,
-       lease_until > now() AS lease_live, dead_lettered_at, trace_id
+       attempts, lease_until, result::text AS result, error, created_at, claimed_at, updated_at,
+       expires_at, lease_until > now() AS lease_live, dead_lettered_at, trace_id
   FROM dedupe_claims
  WHERE scope = $1 AND key = $2;

@@ -71,7 +71,7 @@ async def claims(store: ClaimStore, db: asyncpg.Connection) -> asyncpg.Connectio
         await processor.process("mail", [d("mail", "m-1")])
     await db.execute(
         """INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, lease_until,
-                                      created_at, expires_at)
+                                      claimed_at, expires_at)
            VALUES ('adm.work', 'j-stuck', '\\x00', 'in_progress', 'gone-worker',
                    now() - interval '5 minutes', now() - interval '1 hour',
                    now() + interval '1 day')"""

@@ -130,7 +130,7 @@ async def test_the_claims_table_gauges_show_stuck_work_and_clean_up_lag(
     assert value(metrics, "dedupe_cleanup_lag_seconds") == 0
     await db.execute(
         """INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, lease_until,
-                                      created_at, expires_at)
+                                      claimed_at, expires_at)
            VALUES ('m.work', 'stuck', '\\x00', 'in_progress', 'w', now() - interval '1 minute',
                    now() - interval '10 minutes', now() + interval '1 day'),
                   ('m.work', 'old', '\\x00', 'completed', 'w', NULL,
