@@ -145,6 +145,30 @@ async def test_the_claims_table_gauges_show_stuck_work_and_clean_up_lag(
     assert value(metrics, "dedupe_cleanup_lag_seconds") == 0
 
 
+async def test_a_key_claimed_again_days_after_its_first_claim_is_not_old_work(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """Stuck-work ages count from the current run's claim: a failed key released and claimed
+    again today is seconds old, though the key was first claimed two days ago."""
+    await db.execute(
+        """INSERT INTO dedupe_claims (scope, key, payload_hash, status, retryable, owner,
+                                      created_at, claimed_at, expires_at)
+           VALUES ('m.work', 'k', '\\x00', 'failed', true, 'w', now() - interval '2 days',
+                   now() - interval '2 days', now() + interval '1 day')"""
+    )
+    [claim] = await store.claim_batch(
+        [ClaimRequest("m.work", "k", b"\x00")], lease_s=30, retention_s=3600
+    )
+    assert claim.owned
+    metrics = Metrics()
+    await metrics.check_claims(store)
+    assert value(metrics, "dedupe_oldest_in_progress_age_seconds") < 60
+    row = await db.fetchrow(
+        "SELECT now() - created_at > interval '1 day' AS old FROM dedupe_claims"
+    )
+    assert row["old"]  # the key's own age is kept
+
+
 async def test_the_metrics_endpoint_serves_the_prometheus_text_format(store: ClaimStore) -> None:
     """Metrics.serve answers /metrics over HTTP with the counters in Prometheus text."""
     metrics = Metrics()
