@@ -4,19 +4,22 @@ A channel `C` is a topic; its dead letters go to the topic `C.dlq` (both are cre
 
 - One consumer group per app (`dedupe-<app name>`, or `?group_id=` in the URL), auto-commit off;
   a new group starts from the earliest offset.
-- Each fetched batch of a partition goes to the core in one `process()` call (one claim
-  statement) per wave (see consumers.kafka_partition); the partition is paused while its batch
-  runs and the consumer keeps polling, so a long handler never gets the worker evicted from the
-  group. Partitions run in parallel.
+- A fetch returns at most `batch_max` records; each partition's share goes to the core in one
+  `process()` call (one claim statement) per wave (see consumers.kafka_partition); the
+  partition is paused while its batch runs and the consumer keeps polling, so a long handler
+  never gets the worker evicted from the group. Partitions run in parallel.
 - Kafka cannot redeliver one message, so a message the core defers (its key is in progress
   elsewhere) or requeues waits in memory and runs again after its delay, beside the stream;
   only later messages with its record key wait for it.
 - Per partition, the committed offset is the first message without a final outcome (acked, or
   dead-lettered and acknowledged by the broker): never past an unfinished one. Commits go out
   every `commit_interval_s` for all partitions in one request, and on revocation and shutdown.
-- On revocation no new work starts; in-flight work gets `revoke_timeout_s` to finish, then what
-  is done is committed and the rest is left to the next owner (the claims make its re-run a
-  duplicate or a deferral, never a second effect).
+- On revocation no new work starts (not even the next wave of a batch); in-flight work gets
+  `revoke_timeout_s` to finish, then what is done is committed and the rest is left to the next
+  owner (the claims make its re-run a duplicate or a deferral, never a second effect).
+- A dead letter the broker can never take (too large once our headers are added) goes out
+  without its body, with `x-dedupe-body-dropped` saying why; if even that fails, the message
+  is held and tried again with backoff, and its partition commits no further.
 """
 
 from __future__ import annotations
@@ -25,18 +28,24 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
-    from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+    from aiokafka.errors import (
+        CommitFailedError,
+        IllegalStateError,
+        KafkaError,
+        KafkaTimeoutError,
+    )
     from aiokafka.structs import ConsumerRecord, TopicPartition
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
     ) from exc
 
+from dedupe.keys import MESSAGE_ID_HEADER
 from dedupe.settings import Settings
 from dedupe.transport import (
     DEAD_LETTER_HEADERS,
@@ -48,6 +57,7 @@ from dedupe.transport import (
 )
 
 from .kafka_clients import (
+    BODY_DROPPED_HEADER,
     ORIGIN_HEADER,
     KafkaOptions,
     KafkaPublisher,
@@ -64,6 +74,9 @@ from .kafka_clients import (
 from .kafka_partition import KafkaDelivery, PartitionWork, to_message
 
 logger = logging.getLogger(__name__)
+
+# The longest wait between two commit attempts while they keep failing unexpectedly.
+COMMIT_BACKOFF_MAX_S = 10.0
 
 
 # -- the transport --------------------------------------------------------------------------
@@ -170,7 +183,9 @@ class KafkaTransport(Transport):
                     # A partition resumed while getmany waits is not fetched until the wait
                     # ends: while any partition is paused, wait briefly and ask again.
                     busy = any(p.busy for p in self._partitions.values())
-                    batches = await consumer.getmany(timeout_ms=5 if busy else 100)
+                    batches = await consumer.getmany(
+                        timeout_ms=5 if busy else 100, max_records=options.batch_max
+                    )
                 except KafkaError as exc:
                     if not getattr(exc, "retriable", False):
                         raise
@@ -261,9 +276,19 @@ class KafkaTransport(Transport):
     # -- offsets --------------------------------------------------------------------------
 
     async def _commit_loop(self) -> None:
+        """Commit every commit_interval_s; an unexpected error is logged and the loop goes on
+        (backing off while it repeats), so periodic commits never stop silently."""
+        failures = 0
         while True:
-            await asyncio.sleep(self.options.commit_interval_s)
-            await self._commit(list(self._partitions.values()))
+            interval = self.options.commit_interval_s
+            await asyncio.sleep(min(interval * 2**failures, max(interval, COMMIT_BACKOFF_MAX_S)))
+            try:
+                await self._commit(list(self._partitions.values()))
+            except Exception:
+                failures = min(failures + 1, 16)
+                logger.exception("committing offsets failed unexpectedly; trying again")
+            else:
+                failures = 0
 
     async def _commit(self, work: Sequence[PartitionWork]) -> None:
         """Commit, in one request, every partition whose position moved."""
@@ -293,48 +318,110 @@ class KafkaTransport(Transport):
 
     # -- dead letters ---------------------------------------------------------------------
 
-    async def _send_dead_letter(self, record: ConsumerRecord, settlement: Settlement) -> bool:
-        """Write the record to <topic>.dlq with the reason; True once the broker has it."""
-        ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER}  # from an earlier trip through the DLQ
+    async def _send_dead_letter(
+        self, record: ConsumerRecord, settlement: Settlement, closing: Callable[[], bool]
+    ) -> bool:
+        """Write the record to <topic>.dlq with the reason; True once the broker has it.
+
+        A copy the broker can never take (a record near the size limit plus our headers) goes
+        out without its body, with a header saying why; if even that fails, False: the
+        partition holds the message, tries again later and never commits past it.
+        """
+        ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER, BODY_DROPPED_HEADER}  # from an earlier trip
         headers = [(k, v) for k, v in record.headers or () if k not in ours]
         headers += encode_headers(dead_letter_headers(settlement))
         headers.append(
             (ORIGIN_HEADER, f"{record.topic}/{record.partition}/{record.offset}".encode())
         )
+        topic = dlq_name(record.topic)
+        fields = _fields(record, settlement)
+        where = f"{record.topic}/{record.partition}/{record.offset}"
+        try:
+            if not await self._write(topic, record.key, record.value, headers, closing):
+                return False
+        except KafkaError as exc:
+            size = len(record.value or b"")
+            logger.error(
+                "the dead letter of %s cannot be written (%s); writing it without its %d-byte body",
+                where,
+                exc,
+                size,
+                extra=fields,
+            )
+            dropped = [*headers, (BODY_DROPPED_HEADER, f"{size} bytes: {exc}"[:500].encode())]
+            try:
+                if not await self._write(topic, record.key, b"", dropped, closing):
+                    return False
+            except KafkaError as again:
+                logger.error(
+                    "the dead letter of %s cannot be written even without its body (%s): the "
+                    "message is held and tried again later; its partition commits no further",
+                    where,
+                    again,
+                    extra=fields,
+                )
+                return False
+        logger.warning(
+            "dead-lettered %s to %s: %s (%s)",
+            where,
+            topic,
+            settlement.reason,
+            settlement.detail,
+            extra=fields,
+        )
+        return True
+
+    async def _write(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes]],
+        closing: Callable[[], bool],
+    ) -> bool:
+        """Send one record, retrying transient errors; False when stopping or revoked first.
+
+        Raises KafkaError when the broker can never take the record.
+        """
         delay = 0.2
         while True:
             producer = self._producer
             try:
                 if producer is None:
                     raise KafkaError("the transport is closed")
-                await producer.send_and_wait(
-                    dlq_name(record.topic), value=record.value, key=record.key, headers=headers
-                )
-                break
+                await producer.send_and_wait(topic, value=value, key=key, headers=headers)
+                return True
             except KafkaError as exc:
-                if self._stopping or producer is None:
+                if self._stopping or producer is None or closing():
                     logger.warning(
-                        "could not dead-letter %s/%d/%d (%s); left uncommitted",
-                        record.topic,
-                        record.partition,
-                        record.offset,
+                        "could not write to %s (%s); left uncommitted for the next owner",
+                        topic,
                         exc,
                     )
                     return False
+                if not _transient(exc):
+                    raise
                 logger.warning("dead-letter write failed (%s); retrying in %.1fs", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        logger.warning(
-            "dead-lettered %s/%d/%d to %s: %s (%s)",
-            record.topic,
-            record.partition,
-            record.offset,
-            dlq_name(record.topic),
-            settlement.reason,
-            settlement.detail,
-            extra={"reason": str(settlement.reason)},
-        )
-        return True
+
+
+def _transient(exc: KafkaError) -> bool:
+    # A timeout says nothing about the record: worth another try, like the retriable errors.
+    return bool(exc.retriable) or isinstance(exc, KafkaTimeoutError)
+
+
+def _fields(record: ConsumerRecord, settlement: Settlement) -> dict[str, Any]:
+    """The log fields of a dead letter (see dedupe.logs.FIELDS)."""
+    message_id = dict(record.headers or ()).get(MESSAGE_ID_HEADER)
+    return {
+        "channel": record.topic,
+        "scope": settlement.scope,
+        "key": settlement.key,
+        "message_id": message_id.decode("utf-8", "replace") if message_id else None,
+        "reason": str(settlement.reason),
+        "outcome": str(settlement.action),
+    }
 
 
 async def _wait_idle(work: Sequence[PartitionWork], timeout_s: float) -> int:

@@ -31,6 +31,7 @@ from dedupe.transport import (
     KEY_HEADER,
     REASON_HEADER,
     SCOPE_HEADER,
+    claim_to_release,
     dlq_name,
 )
 
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # Where a dead letter came from: "<topic>/<partition>/<offset>".
 ORIGIN_HEADER = "x-dedupe-origin"
+# On a dead letter written without its body (the broker refused the whole copy): why.
+BODY_DROPPED_HEADER = "x-dedupe-body-dropped"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -396,22 +399,36 @@ async def replay_dead_letters(
     A dead-letter topic is a log, so nothing is removed: what was replayed is marked by the
     committed offsets of the group `dedupe-dlq-replay.<channel>`, committed once every
     republished record is acknowledged by all in-sync replicas. `release(scope, key)` runs
-    first for each record, so that its failed claim is claimable again by the time a worker
-    sees it. Interrupted between the publish and the commit, the next replay publishes those
-    records again; the claims make the second copy a duplicate.
+    first for each record whose own claim failed (see dedupe.transport.claim_to_release), so
+    that the claim is claimable again by the time a worker sees it. Interrupted between the
+    publish and the commit, the next replay publishes those records again; the claims make the
+    second copy a duplicate. A dead letter written without its body cannot run again: it is
+    skipped (and stays in the topic).
     """
     options = KafkaOptions.from_url(url)
     records = await _pending_dead_letters(options, channel, limit=limit)
     if not records:
         return []
-    ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER}
+    ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER, BODY_DROPPED_HEADER}
     moved: list[dict[str, Any]] = []
     async with KafkaPublisher(url) as publisher:
         pending = []
         for record in records:
             described = _describe_dead_letter(record)
-            if release is not None and described["scope"] and described["key"]:
-                await release(described["scope"], described["key"])
+            if described["body_dropped"] is not None:
+                logger.warning(
+                    "not replaying %s/%d/%d (from %s): it was dead-lettered without its body (%s)",
+                    record.topic,
+                    record.partition,
+                    record.offset,
+                    described["origin"],
+                    described["body_dropped"],
+                    extra={k: described[k] for k in ("scope", "key", "message_id", "reason")},
+                )
+                continue
+            claim = claim_to_release(Headers(dict(record.headers or ())))
+            if release is not None and claim is not None:
+                await release(*claim)
             headers = {k: v for k, v in (record.headers or ()) if k not in ours}
             message_id = headers.pop(MESSAGE_ID_HEADER, None)
             pending.append(
@@ -453,6 +470,7 @@ def _describe_dead_letter(record: Any) -> dict[str, Any]:
         "scope": headers.get(SCOPE_HEADER),
         "key": headers.get(KEY_HEADER),
         "origin": headers.get(ORIGIN_HEADER),
+        "body_dropped": headers.get(BODY_DROPPED_HEADER),
         "record_key": record.key,
         "headers": dict(headers),
         "bytes": len(record.value or b""),
@@ -485,6 +503,7 @@ def with_options(url: str, **options: Any) -> str:
 
 
 __all__ = [
+    "BODY_DROPPED_HEADER",
     "ORIGIN_HEADER",
     "KafkaOptions",
     "KafkaPublisher",

@@ -3,8 +3,10 @@
 A fetched batch runs as one `process()` call per wave: a wave never holds two records of one
 record key, so messages of a key run in offset order while the others run side by side. A
 message the core defers or requeues is held, with the later messages of its key queued behind
-it, and runs again when due, beside the stream. The commit position is the first offset
-without a final outcome, so an offset is never committed past an unfinished message.
+it, and runs again when due, beside the stream; so is one whose dead letter the broker refused
+or whose settling failed. The commit position is the first offset without a final outcome, so
+an offset is never committed past an unfinished message. A revoked partition starts no next
+wave: what it has not run is left, uncommitted, to the next owner.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ TopicPartition = Any
 
 # Delay before a batch that failed inside the core (a bug, not a message problem) runs again.
 INTERNAL_ERROR_DELAY_S = 5.0
+# Delay before a message whose dead letter the broker refused runs again (doubling per attempt).
+DEAD_LETTER_RETRY_S = 5.0
+DEAD_LETTER_RETRY_MAX_S = 300.0
 
 
 def to_message(record: ConsumerRecord, *, attempt: int = 1) -> Message:
@@ -75,7 +80,19 @@ class KafkaDelivery:
 
     async def settle(self, settlement: Settlement) -> bool:
         self.settled = True
-        return await self.partition.settle(self, settlement)
+        try:
+            return await self.partition.settle(self, settlement)
+        except Exception:
+            # Kafka never delivers one record again by itself: unless the partition holds it,
+            # its offset would have no outcome and no retry, and commits would stop there.
+            logger.exception(
+                "could not settle %s offset %d; it runs again later",
+                self.partition.tp,
+                self.offset,
+                extra={"message_id": self.message.message_id, "outcome": str(settlement.action)},
+            )
+            self.partition.unsettled(self)
+            return False
 
 
 def _chain_key(record: ConsumerRecord) -> object:
@@ -104,7 +121,11 @@ class PartitionWork:
     """The work and the offsets of one assigned partition, for one assignment.
 
     `pending` maps every fetched offset without a final outcome to whether it has one now; the
-    commit position is the first offset still without one (offsets only move forward).
+    commit position is the first offset still without one (offsets only move forward). Every
+    pending offset is in flight, held, or (once closing) left to the next owner.
+
+    `dead_letter(record, settlement, closing)` writes the record to the dead-letter topic and
+    returns True once the broker has it; it may give up (False) once `closing()` is true.
     """
 
     def __init__(
@@ -114,7 +135,7 @@ class PartitionWork:
         *,
         batch_max: int,
         max_held: int,
-        dead_letter: Callable[[ConsumerRecord, Settlement], Awaitable[bool]],
+        dead_letter: Callable[[ConsumerRecord, Settlement, Callable[[], bool]], Awaitable[bool]],
         pause: Callable[[TopicPartition], None],
         resume: Callable[[TopicPartition], None],
     ) -> None:
@@ -181,11 +202,12 @@ class PartitionWork:
     async def _run_batch(self, records: Sequence[ConsumerRecord]) -> None:
         try:
             for start in range(0, len(records), self._batch_max):
-                if self.closing:
-                    return
-                # A chunk runs to its end even when revoked meanwhile: its waves interleave by
-                # offset, and a wave left out would hold back the commit of all the others.
                 for wave in _waves(records[start : start + self._batch_max]):
+                    if self.closing:
+                        # Revoked or stopping: the next owner may be running these already.
+                        # What is left stays uncommitted (the commit stops at its first offset)
+                        # and is read again there, where the claims make done ones duplicates.
+                        return
                     ready: list[KafkaDelivery] = []
                     for record in wave:
                         delivery = KafkaDelivery(self, record)
@@ -217,10 +239,15 @@ class PartitionWork:
             self._final(delivery)
             return True
         if settlement.action is Action.DEAD_LETTER:
-            # Done only once the dead letter is on the broker; otherwise the offset stays.
-            if await self._dead_letter(delivery.record, settlement):
+            # Done only once the dead letter is on the broker; otherwise the offset stays and
+            # the message runs again later (its failed claim sends the dead letter again).
+            if await self._dead_letter(delivery.record, settlement, self._is_closing):
                 self._final(delivery)
                 return True
+            if not self.closing:
+                exponent = min(delivery.attempt - 1, 10)
+                delay_s = min(DEAD_LETTER_RETRY_S * 2**exponent, DEAD_LETTER_RETRY_MAX_S)
+                self._hold(delivery, delay_s)
             return False
         if self.closing:
             # Stopping or revoked: not committed past, so the next owner reads it again.
@@ -228,6 +255,15 @@ class PartitionWork:
         else:
             self._hold(delivery, settlement.delay_s)
         return False
+
+    def unsettled(self, delivery: KafkaDelivery) -> None:
+        """Settling failed: hold the message to run again, unless its outcome is final."""
+        if self.pending.get(delivery.offset, True) or self.closing:
+            return  # done already, or left to the next owner (not committed past)
+        self._hold(delivery, INTERNAL_ERROR_DELAY_S)
+
+    def _is_closing(self) -> bool:
+        return self.closing
 
     def _final(self, delivery: KafkaDelivery) -> None:
         chain = self.held.get(_chain_key(delivery.record))

@@ -41,6 +41,7 @@ from dedupe.transport import (
     Process,
     Settlement,
     Transport,
+    claim_to_release,
     dead_letter_headers,
     dlq_name,
 )
@@ -400,7 +401,14 @@ class RabbitMQTransport(Transport):
                 dlq_name(delivery.channel),
                 settlement.reason,
                 settlement.detail,
-                extra={"message_id": incoming.message_id, "reason": str(settlement.reason)},
+                extra={
+                    "channel": delivery.channel,
+                    "scope": settlement.scope,
+                    "key": settlement.key,
+                    "message_id": incoming.message_id,
+                    "reason": str(settlement.reason),
+                    "outcome": str(settlement.action),
+                },
             )
         elif settlement.action is Action.DEFER or settlement.delay_s > 0:
             headers = dict(incoming.headers or {})
@@ -493,8 +501,9 @@ async def replay_dead_letters(
 ) -> list[dict[str, Any]]:
     """Move up to `limit` dead letters back to their channel (confirmed before removal).
 
-    `release(scope, key)` runs before each message is republished, so that its failed claim
-    is claimable again by the time a worker sees it.
+    `release(scope, key)` runs before each message whose own claim failed is republished (see
+    dedupe.transport.claim_to_release), so that the claim is claimable again by the time a
+    worker sees it.
     """
     moved: list[dict[str, Any]] = []
     connection = await aio_pika.connect(url, timeout=10)
@@ -518,8 +527,9 @@ async def replay_dead_letters(
             )
             for name in OWN_HEADERS:
                 headers.pop(name, None)
-            if release is not None and info.get(SCOPE_HEADER) and info.get(KEY_HEADER):
-                await release(info[SCOPE_HEADER], info[KEY_HEADER])
+            claim = claim_to_release(info)
+            if release is not None and claim is not None:
+                await release(*claim)
             await amqp.default_exchange.publish(copy_of(incoming, headers=headers), channel)
             await incoming.ack()
     return moved

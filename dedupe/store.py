@@ -249,6 +249,10 @@ class ClaimStore:
         rows = await self._fetch("release", scope, key)
         return str(rows[0]["status"]) if rows else None
 
+    async def release_failed(self, scope: str, key: str) -> bool:
+        """Make a failed key claimable again (never one in progress); whether it was failed."""
+        return bool(await self._fetch("release_failed", scope, key))
+
     async def gc(self, *, batch_size: int = 1000, max_batches: int = 100) -> int | None:
         """Delete expired rows in batches under an advisory lock; None if another holds it."""
         deleted = 0

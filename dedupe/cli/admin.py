@@ -150,7 +150,7 @@ async def _dlq(args: argparse.Namespace, settings: Settings, broker: Any, *, kaf
     async with ClaimStore.open(settings.database_url, owner="admin") as store:
 
         async def release(scope: str, key: str) -> None:
-            if await store.release(scope, key):
+            if await store.release_failed(scope, key):
                 released.append(key)
 
         moved = await broker.replay_dead_letters(

@@ -109,6 +109,14 @@ UPDATE dedupe_claims
  WHERE scope = $1 AND key = $2 AND status IN ('in_progress', 'failed')
 RETURNING status;
 
+-- name: release_failed
+-- Replaying a dead letter: release its key only while the claim is failed. A claim in
+-- progress may be running right now; cutting its lease would let a second run start.
+UPDATE dedupe_claims
+   SET lease_until = now(), retryable = true, attempts = 0, updated_at = now()
+ WHERE scope = $1 AND key = $2 AND status = 'failed'
+RETURNING status;
+
 -- name: gc_batch
 -- Delete one batch of expired rows. SKIP LOCKED keeps clean-up out of the workers' way.
 -- Rows are picked by their primary key, not by ctid (a ctid names a row only within one

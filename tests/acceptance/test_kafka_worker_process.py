@@ -4,6 +4,7 @@ the offset commit, and a graceful stop that commits what it finished."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import uuid
 from collections.abc import Callable
@@ -42,21 +43,29 @@ async def test_kill_9_mid_batch_and_restart_loses_nothing_and_runs_each_key_once
     channel: str,
     effects: asyncpg.Connection,
 ) -> None:
-    """Two workers in one group, one SIGKILLed mid-stream and restarted: each key's effect once,
-    and the group's committed offsets reach the end."""
+    """Two workers in one group, one SIGKILLed mid-stream (with claims in flight) and
+    restarted: each key's effect once, and the group's committed offsets reach the end."""
     unique = 400
-    messages = [(payload(i, sleep_s=0.005), {}, f"k{i}") for i in range(unique)]
+    messages = [(payload(i, sleep_s=0.02), {}, f"k{i}") for i in range(unique)]
     messages += messages[: unique // 3]  # a third published twice
     await kafka.publish(group_url, channel, messages)
     victim = spawn(lease_s=1.0)
     spawn(lease_s=1.0)
+    victim_name = f"{socket.gethostname()}:{victim.pid}"  # the worker's default name
+    in_flight = "SELECT count(*) FROM dedupe_claims WHERE status = 'in_progress' AND owner = $1"
 
-    async def some_done() -> bool:
-        return bool(await effects.fetchval("SELECT count(*) >= 60 FROM effects"))
+    async def victim_busy() -> bool:
+        return bool(
+            await effects.fetchval("SELECT count(*) >= 60 FROM effects")
+            and await effects.fetchval(in_flight, victim_name)
+        )
 
-    await eventually(some_done)
+    await eventually(victim_busy)
     victim.send_signal(signal.SIGKILL)
     assert await wait_exit(victim) == -signal.SIGKILL
+    # It died mid-batch: keys it had claimed are still in progress under its name (nobody
+    # takes them over before its session and their leases lapse).
+    assert await effects.fetchval(in_flight, victim_name) > 0
     spawn(lease_s=1.0)
 
     async def all_done() -> int:

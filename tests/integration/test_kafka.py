@@ -14,6 +14,7 @@ from typing import Any
 import aiokafka
 import asyncpg
 import pytest
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from pydantic import BaseModel
 
 from consumers import kafka
@@ -291,8 +292,11 @@ async def test_a_consumer_joining_and_one_leaving_mid_stream_run_every_key_once(
     kafka_url: str, channel: str, db_url: str, effects: asyncpg.Connection
 ) -> None:
     """Rebalances while messages flow: in-flight work finishes before offsets move, so no
-    handler runs twice and nothing is lost."""
-    broker = KafkaBroker(kafka_url)
+    handler runs twice and nothing is lost; revocation commits what was done, so the new owners
+    read nothing again (the only duplicates are the copies published)."""
+    # Periodic commits rarely, so that what was done since the last one is read again unless
+    # the revocation commits it.
+    broker = KafkaBroker(kafka_url, commit_interval_s=2.0)
     calls: list[str] = []
     app = recording_app(channel, calls)
     unique = 600
@@ -310,8 +314,8 @@ async def test_a_consumer_joining_and_one_leaving_mid_stream_run_every_key_once(
             for i in range(3)
         ]
         a, b, c = (broker.transport() for _ in range(3))
-        (_, stop_a) = await stack.enter_async_context(worker_in(app, stores[0], a))
-        await stack.enter_async_context(worker_in(app, stores[1], b))
+        (worker_a, stop_a) = await stack.enter_async_context(worker_in(app, stores[0], a))
+        (worker_b, _) = await stack.enter_async_context(worker_in(app, stores[1], b))
         await broker.ready(channel, a, b)
         producer = asyncio.create_task(produce())
 
@@ -319,7 +323,7 @@ async def test_a_consumer_joining_and_one_leaving_mid_stream_run_every_key_once(
             return bool(await effects.fetchval("SELECT count(*) >= $1 FROM effects", n))
 
         await eventually(lambda: progressed(100))
-        await stack.enter_async_context(worker_in(app, stores[2], c))  # a third joins
+        (worker_c, _) = await stack.enter_async_context(worker_in(app, stores[2], c))  # joins
         await eventually(lambda: progressed(300))
         stop_a.set()  # one leaves (gracefully: finishes, commits, leaves the group)
         await producer
@@ -340,3 +344,78 @@ async def test_a_consumer_joining_and_one_leaving_mid_stream_run_every_key_once(
         await eventually(drained)
     assert await effects.fetchval("SELECT count(*) FROM effects") == unique
     assert len(calls) == unique  # not even a handler ran twice
+    workers = (worker_a, worker_b, worker_c)
+    assert sum(w.stats.completed for w in workers) == unique
+    assert sum(w.stats.duplicates for w in workers) == len(stream) - unique
+
+
+async def test_a_dead_letter_too_large_for_the_broker_goes_out_without_its_body(
+    kafka_url: str, channel: str, store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """A record just under the size limit is fine, its copy plus the reason headers is not:
+    the dead letter goes out without the body, says why, and the offset moves past it."""
+    broker = KafkaBroker(kafka_url)
+    calls: list[str] = []
+    limit = 1_048_576  # the producer's max_request_size (the broker's limit is a bit higher)
+    headers = [("message-id", b"big")]
+    overhead = DefaultRecordBatchBuilder.estimate_size_in_bytes(b"big", b"", headers)
+    value = b"x" * (limit - overhead - 8)  # not JSON: dead-lettered as invalid_payload
+    assert DefaultRecordBatchBuilder.estimate_size_in_bytes(b"big", value, headers) <= limit
+    await broker.publish(channel, [(value, {}, "big"), (body(1), {}, "after")], partition=0)
+    async with running(recording_app(channel, calls), store, broker.transport()) as worker:
+
+        async def settled() -> bool:
+            return worker.stats.completed == 1 and await broker.backlog(channel) == 0
+
+        await eventually(settled)
+    [letter] = await broker.dead_letters(channel)
+    assert (letter["message_id"], letter["reason"], letter["bytes"]) == (
+        "big",
+        "invalid_payload",
+        0,
+    )
+    assert (letter["scope"], letter["key"], letter["origin"]) == ("t.work", "big", f"{channel}/0/0")
+    assert letter["body_dropped"].startswith(f"{len(value)} bytes: ")
+    assert "MessageSizeTooLargeError" in letter["body_dropped"]
+    assert await effects.fetchval(
+        "SELECT dead_lettered_at IS NOT NULL FROM dedupe_claims WHERE key = 'big'"
+    )
+    assert calls == ["after"]
+    # Replaying it cannot run it again: it is skipped, its claim left alone.
+    released: list[tuple[str, str]] = []
+
+    async def release(scope: str, key: str) -> None:
+        released.append((scope, key))
+
+    assert await broker.replay(channel, release) == []
+    assert released == []
+
+
+async def test_a_fetch_hands_over_at_most_batch_max_records(
+    kafka_url: str,
+    channel: str,
+    store: ClaimStore,
+    effects: asyncpg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fetched batch and a claim batch are the same thing: getmany asks for batch_max."""
+    fetched: list[int] = []
+    original = aiokafka.AIOKafkaConsumer.getmany
+
+    async def spy(self: aiokafka.AIOKafkaConsumer, *tps: Any, **options: Any) -> Any:
+        batches = await original(self, *tps, **options)
+        fetched.append(sum(len(records) for records in batches.values()))
+        return batches
+
+    monkeypatch.setattr(aiokafka.AIOKafkaConsumer, "getmany", spy)
+    broker = KafkaBroker(kafka_url, batch_max=7)
+    calls: list[str] = []
+    await broker.publish(channel, [(body(i), {}, f"k{i}") for i in range(100)], partition=0)
+    async with running(recording_app(channel, calls), store, broker.transport()) as worker:
+
+        async def done() -> bool:
+            return worker.stats.completed == 100
+
+        await eventually(done)
+    assert max(fetched) == 7
+    assert len(calls) == 100

@@ -71,7 +71,9 @@ class Harness:
         for delivery in batch:
             await delivery.settle(self.decide(delivery))
 
-    async def dead_letter(self, record: Record, settlement: Settlement) -> bool:
+    async def dead_letter(
+        self, record: Record, settlement: Settlement, closing: Callable[[], bool]
+    ) -> bool:
         self.dead.append(record.offset)
         return self.dead_letters_written
 
@@ -157,19 +159,78 @@ async def test_due_held_messages_of_several_keys_run_as_one_batch() -> None:
     assert h.calls[-1] == [(0, 2), (1, 2), (2, 2)]
 
 
-async def test_a_dead_letter_counts_as_done_only_once_the_broker_has_it() -> None:
-    def decide(delivery: KafkaDelivery) -> Settlement:
-        if delivery.offset == 0:
-            return Settlement(Action.DEAD_LETTER, reason=Reason.INVALID_PAYLOAD, detail="x")
-        return ACK
+def dead_letter_first(delivery: KafkaDelivery) -> Settlement:
+    if delivery.offset == 0:
+        return Settlement(Action.DEAD_LETTER, reason=Reason.INVALID_PAYLOAD, detail="x")
+    return ACK
 
-    written = Harness(decide=decide)
+
+async def test_a_dead_letter_counts_as_done_only_once_the_broker_has_it() -> None:
+    written = Harness(decide=dead_letter_first)
     await written.run(records("a", "b"))
     assert (written.dead, written.work.position()) == ([0], 2)
 
-    lost = Harness(decide=decide, dead_letters_written=False)
-    await lost.run(records("a", "b"))
-    assert (lost.dead, lost.work.position()) == ([0], 0)
+
+async def test_a_dead_letter_the_broker_refused_is_held_and_tried_again_with_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Never committed past without a dead letter, never dropped: it runs again, later."""
+    monkeypatch.setattr("consumers.kafka_partition.DEAD_LETTER_RETRY_S", 0.2)
+    h = Harness(decide=dead_letter_first, dead_letters_written=False)
+    await h.run(records("a", "b"))
+    assert (h.dead, h.work.position()) == ([0], 0)
+    assert h.work.held_count == 1  # held for a retry, not orphaned
+    await asyncio.sleep(0.35)
+    await h.idle()
+    assert h.dead == [0, 0]  # tried again after 0.2 s ...
+    assert h.work.position() == 0
+    h.dead_letters_written = True
+    await asyncio.sleep(0.5)  # ... and then after 0.4 s (doubling), when it went through
+    await h.idle()
+    assert h.dead == [0, 0, 0]
+    assert h.calls[-1] == [(0, 3)]
+    assert (h.work.position(), h.work.held_count) == (2, 0)
+
+
+async def test_a_settle_that_raises_holds_the_message_to_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The offset neither stays orphaned (commits frozen) nor is committed past."""
+    monkeypatch.setattr("consumers.kafka_partition.INTERNAL_ERROR_DELAY_S", 0.05)
+    h = Harness(decide=dead_letter_first)
+    failures = [RuntimeError("producer bug")]
+
+    async def dead_letter(
+        record: Record, settlement: Settlement, closing: Callable[[], bool]
+    ) -> bool:
+        h.dead.append(record.offset)
+        if failures:
+            raise failures.pop()
+        return True
+
+    h.work._dead_letter = dead_letter
+    await h.run(records("a", "b"))
+    assert h.work.position() == 0
+    assert h.work.held_count == 1
+    await asyncio.sleep(0.15)
+    await h.idle()
+    assert h.dead == [0, 0]
+    assert [call for call in h.calls if call[0][0] == 0] == [[(0, 1), (1, 1)], [(0, 2)]]
+    assert (h.work.position(), h.work.held_count) == (2, 0)
+
+
+async def test_a_settle_that_raises_on_a_closing_partition_leaves_the_offset_uncommitted() -> None:
+    h = Harness(decide=dead_letter_first)
+
+    async def dead_letter(
+        record: Record, settlement: Settlement, closing: Callable[[], bool]
+    ) -> bool:
+        h.work.close()
+        raise RuntimeError("producer bug")
+
+    h.work._dead_letter = dead_letter
+    await h.run(records("a", "b"))
+    assert (h.work.position(), h.work.held_count) == (0, 0)
 
 
 async def test_a_closing_partition_starts_nothing_new_and_keeps_requeued_offsets() -> None:
@@ -189,8 +250,8 @@ async def test_a_closing_partition_starts_nothing_new_and_keeps_requeued_offsets
     assert late.resumed == 0
 
 
-async def test_a_revoked_partition_finishes_the_waves_of_its_chunk_but_no_next_chunk() -> None:
-    """Waves interleave by offset: finishing the chunk lets the commit cover all of it."""
+async def test_a_revoked_partition_starts_no_next_wave_and_commits_only_before_it() -> None:
+    """The next owner may run them already: the rest of the batch is left uncommitted."""
     h = Harness(batch_max=3)
 
     def close_after_first_call(delivery: KafkaDelivery) -> Settlement:
@@ -199,8 +260,8 @@ async def test_a_revoked_partition_finishes_the_waves_of_its_chunk_but_no_next_c
 
     h.decide = close_after_first_call
     await h.run(records("a", "a", "b", "c"))
-    assert h.calls == [[(0, 1), (2, 1)], [(1, 1)]]  # the chunk's second wave ran, offset 3 not
-    assert h.work.position() == 3
+    assert h.calls == [[(0, 1), (2, 1)]]  # neither the chunk's second wave nor offset 3
+    assert h.work.position() == 1  # offset 2 is done, but 1 never ran
 
 
 async def test_too_many_held_messages_keep_the_partition_paused() -> None:

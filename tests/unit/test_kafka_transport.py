@@ -1,0 +1,135 @@
+"""The Kafka transport's own loops without a broker: periodic commits and dead-letter writes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
+
+from consumers.kafka import KafkaTransport
+from consumers.kafka_clients import BODY_DROPPED_HEADER
+from consumers.kafka_partition import PartitionWork
+from dedupe.transport import Action, Reason, Settlement
+
+DEAD = Settlement(
+    Action.DEAD_LETTER, reason=Reason.HANDLER_ERROR, detail="boom", scope="t.work", key="k1"
+)
+
+
+@dataclass(frozen=True)
+class Record:
+    value: bytes | None = b"x" * 100
+    key: bytes | None = b"k1"
+    headers: tuple[tuple[str, bytes], ...] = (("message-id", b"m-1"),)
+    topic: str = "orders"
+    partition: int = 0
+    offset: int = 7
+
+
+@dataclass
+class Producer:
+    """Answers each send with the next of `errors` (None: the broker has the record)."""
+
+    errors: list[Exception | None]
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    async def send_and_wait(self, topic: str, **record: Any) -> None:
+        self.sent.append({"topic": topic, **record})
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise error
+
+
+def transport_with(producer: Producer) -> KafkaTransport:
+    transport = KafkaTransport("kafka://127.0.0.1:9092")
+    transport._producer = producer
+    return transport
+
+
+def never_closing() -> bool:
+    return False
+
+
+async def test_the_commit_loop_goes_on_after_an_unexpected_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A bug in one commit is logged; the periodic commits do not stop silently."""
+    transport = KafkaTransport("kafka://127.0.0.1:9092?commit_interval_s=0.01")
+    commits: list[int] = []
+    third = asyncio.Event()
+
+    async def commit(work: Sequence[PartitionWork]) -> None:
+        commits.append(len(commits))
+        if len(commits) == 1:
+            raise RuntimeError("a bug")
+        if len(commits) == 3:
+            third.set()
+
+    transport._commit = commit  # type: ignore[method-assign]
+    loop = asyncio.create_task(transport._commit_loop())
+    try:
+        async with asyncio.timeout(2):
+            await third.wait()
+        assert not loop.done()
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    assert "committing offsets failed unexpectedly" in caplog.text
+
+
+async def test_a_dead_letter_write_is_retried_while_the_error_is_transient() -> None:
+    producer = Producer([KafkaConnectionError(), None])
+    transport = transport_with(producer)
+    assert await transport._send_dead_letter(Record(), DEAD, never_closing)
+    assert len(producer.sent) == 2
+    assert producer.sent[-1]["value"] == b"x" * 100
+
+
+async def test_a_dead_letter_too_large_for_the_broker_goes_out_without_its_body(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Headers, origin and reason kept, plus a header saying the body was dropped and why."""
+    producer = Producer([MessageSizeTooLargeError("1048700 bytes"), None])
+    transport = transport_with(producer)
+    assert await transport._send_dead_letter(Record(), DEAD, never_closing)
+    full, bodiless = producer.sent
+    assert (full["value"], bodiless["value"]) == (b"x" * 100, b"")
+    assert bodiless["topic"] == "orders.dlq" and bodiless["key"] == b"k1"
+    headers = dict(bodiless["headers"])
+    assert headers["message-id"] == b"m-1"
+    assert headers["x-dedupe-reason"] == b"handler_error"
+    assert headers["x-dedupe-origin"] == b"orders/0/7"
+    assert headers[BODY_DROPPED_HEADER].startswith(b"100 bytes: ")
+    assert b"MessageSizeTooLargeError" in headers[BODY_DROPPED_HEADER]
+    [error] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "without its 100-byte body" in error.getMessage()
+    assert (error.scope, error.key, error.message_id) == ("t.work", "k1", "m-1")  # type: ignore[attr-defined]
+
+
+async def test_a_dead_letter_that_can_never_be_written_is_refused_loudly_not_retried_in_a_spin(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two tries (with the body, without it), two ERROR lines, then False: the partition
+    holds the message and tries again later (see test_kafka_partition)."""
+    too_large = MessageSizeTooLargeError("too large")
+    producer = Producer([too_large, too_large, too_large])
+    transport = transport_with(producer)
+    async with asyncio.timeout(1):
+        assert not await transport._send_dead_letter(Record(), DEAD, never_closing)
+    assert len(producer.sent) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2
+    assert "even without its body" in errors[1]
+
+
+async def test_a_revoked_partition_stops_retrying_its_dead_letter() -> None:
+    producer = Producer([KafkaConnectionError()] * 100)
+    transport = transport_with(producer)
+    async with asyncio.timeout(1):
+        assert not await transport._send_dead_letter(Record(), DEAD, lambda: True)
+    assert len(producer.sent) == 1
