@@ -14,11 +14,14 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
 import re
 import socket
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +29,11 @@ from typing import Any
 try:
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import PlainTextResponse, Response
-    from starlette.routing import Route
+    from starlette.routing import BaseRoute, Route
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "the webhook receiver needs starlette and uvicorn: pip install 'dedupe-worker[receiver]'"
@@ -37,12 +42,12 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from consumers.status_page import StatusPage
 from dedupe.activity import Activity
 from dedupe.app import App
-from dedupe.errors import ConfigurationError, KeyMissing, StoreError
+from dedupe.errors import ConfigurationError, KeyMissing
 from dedupe.message import Headers
 from dedupe.metrics import Metrics
 from dedupe.store import Claim, ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Publisher
-from dedupe.webhooks import Identity, VerificationFailed, WebhookSource
+from dedupe.webhooks import MAX_MESSAGE_ID_BYTES, Identity, VerificationFailed, WebhookSource
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,22 @@ IN_FLIGHT_RETRY_AFTER_S = 1
 # The broker or the database is down: give it a moment.
 UNAVAILABLE_RETRY_AFTER_S = 5
 RECLAIM_TRIES = 3
+# Longest wait for one claims-table statement in a request (claim, store the reply, release).
+DEFAULT_STORE_TIMEOUT_S = 3.0
+# Forwarded headers are counted as HTTP/2 counts a header list (name + value + 32 bytes
+# each); the bound keeps an AMQP header frame far under RabbitMQ's frame_max (128 KiB).
+MAX_FORWARDED_HEADER_BYTES = 32 * 1024
+# What a message needs besides its body where the broker limits a message's size (Kafka's
+# max_request_size): the forwarded headers, the message id as record key and as header,
+# and the record batch's own fields.
+MESSAGE_OVERHEAD_BYTES = MAX_FORWARDED_HEADER_BYTES + 2 * (MAX_MESSAGE_ID_BYTES + 32) + 512
+# A broker limit that leaves less than this for a body is a configuration mistake.
+MIN_BODY_LIMIT_BYTES = 64 * 1024
+# Decimal digits only (str.isdigit() also takes "²"), and few enough for a 64-bit size.
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
+# The broker refuses the message itself (aiokafka, client- or broker-side): the same request
+# fails every time, so it is the client's 413, not a 503 to retry.
+_TOO_LARGE_FOR_BROKER = frozenset({"MessageSizeTooLargeError", "RecordTooLargeError"})
 
 # Headers that are never forwarded to the broker: hop-by-hop ones, credentials and
 # signatures (a handler has no use for them and they must not sit in a queue), and the
@@ -149,7 +170,7 @@ def problem(
 
 
 def forwarded_headers(
-    headers: Headers, source: WebhookSource, identity: Identity
+    headers: Mapping[str, str], source: WebhookSource, identity: Identity
 ) -> dict[str, str]:
     """The request's headers minus credentials and hop-by-hop ones, plus the webhook's own."""
     forward = {
@@ -164,6 +185,41 @@ def forwarded_headers(
     return forward
 
 
+def header_list_bytes(headers: Mapping[str, str]) -> int:
+    """The size of a header list as HTTP/2 counts it: UTF-8 name + value + 32 per header."""
+    return sum(len(name.encode()) + len(value.encode()) + 32 for name, value in headers.items())
+
+
+def message_limit(publisher: object) -> int | None:
+    """The largest message (body, key and headers) `publisher` can send; None: no known limit.
+
+    A publisher says so with a `max_message_bytes` attribute; KafkaPublisher keeps aiokafka's
+    default max_request_size.
+    """
+    limit = getattr(publisher, "max_message_bytes", None)
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return limit
+    # Only look when the Kafka module is loaded: otherwise the publisher cannot be one of its.
+    kafka = sys.modules.get("consumers.kafka_clients")
+    if kafka is not None and isinstance(publisher, kafka.KafkaPublisher):
+        from aiokafka import AIOKafkaProducer
+
+        default = inspect.signature(AIOKafkaProducer).parameters["max_request_size"].default
+        return int(default)
+    return None
+
+
+def _too_large_for_broker(exc: BaseException) -> bool:
+    cause: BaseException | None = exc
+    for _ in range(8):  # the publisher's wrapper, the driver's error and its cause
+        if cause is None:
+            return False
+        if any(cls.__name__ in _TOO_LARGE_FOR_BROKER for cls in type(cause).__mro__):
+            return True
+        cause = cause.__cause__
+    return False
+
+
 class _TooLarge(Exception):
     pass
 
@@ -176,7 +232,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refused (before it is all read) once it is over `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not _CONTENT_LENGTH.fullmatch(declared):
             raise _BadLength
         if int(declared) > limit:
             raise _TooLarge
@@ -196,6 +252,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 PublisherFactory = Callable[[], Publisher]
 
 
+def _fields(source: WebhookSource, identity: Identity | None, outcome: str) -> dict[str, str]:
+    """The `extra=` of a log line about one request (dedupe.logs prints only these)."""
+    fields = {"source": source.name, "channel": source.channel, "outcome": outcome}
+    if identity is not None:
+        fields.update(scope=identity.scope, key=identity.key, message_id=identity.message_id)
+    return fields
+
+
 class Receiver:
     """Serves an App's webhook sources; `create_receiver` wraps it in a Starlette app."""
 
@@ -208,6 +272,7 @@ class Receiver:
         database_url: str | None,
         owner: str,
         publish_timeout_s: float,
+        store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
         metrics: Metrics | None = None,
         metrics_interval_s: float = 15.0,
     ) -> None:
@@ -216,11 +281,15 @@ class Receiver:
         self.database_url = database_url
         self.owner = owner
         self.publish_timeout_s = publish_timeout_s
+        self.store_timeout_s = store_timeout_s
+        # The broker's limit on a whole message, once the publisher is known (None: none).
+        self.message_limit: int | None = None
         # An instance is the caller's to close; a factory's product is ours.
         self.publisher: Publisher | None = None
         self._publisher_factory: PublisherFactory | None = None
         if callable(getattr(publisher, "publish", None)):
             self.publisher = publisher  # type: ignore[assignment]
+            self._adopt_limit(self.publisher)
         else:
             self._publisher_factory = publisher  # type: ignore[assignment]
         self.stats: collections.Counter[str] = collections.Counter()
@@ -228,6 +297,39 @@ class Receiver:
         self.metrics.watch_receiver(self.stats)
         self.metrics_interval_s = metrics_interval_s
         self.activity: Activity | None = None
+
+    def _adopt_limit(self, publisher: object) -> None:
+        """Fit every source's body limit under the broker's message limit, or refuse to start."""
+        limit = message_limit(publisher)
+        if limit is None:
+            return
+        room = limit - MESSAGE_OVERHEAD_BYTES
+        if room < MIN_BODY_LIMIT_BYTES:
+            raise ConfigurationError(
+                f"the publisher takes messages of at most {limit} bytes, which leaves {room} "
+                f"bytes for a body next to up to {MESSAGE_OVERHEAD_BYTES} bytes of headers and "
+                f"key; raise the broker's message size limit (Kafka: max_request_size)"
+            )
+        self.message_limit = limit
+        for source in self.app.webhooks.values():
+            if source.max_body_bytes > room:
+                logger.info(
+                    "webhook source %r: bodies over %d bytes are refused with 413 "
+                    "(max_body_bytes=%d, but the broker takes messages of at most %d bytes, "
+                    "headers and key included)",
+                    source.name,
+                    room,
+                    source.max_body_bytes,
+                    limit,
+                    extra={"source": source.name, "channel": source.channel},
+                )
+
+    def body_limit(self, source: WebhookSource) -> int:
+        """The largest body taken for `source`: its max_body_bytes, or less when the broker's
+        message limit leaves less room (a 413 then, rather than a 503 on every retry)."""
+        if self.message_limit is None:
+            return source.max_body_bytes
+        return min(source.max_body_bytes, self.message_limit - MESSAGE_OVERHEAD_BYTES)
 
     # -- lifespan ----------------------------------------------------------------------
 
@@ -259,6 +361,7 @@ class Receiver:
             if self.publisher is None and self._publisher_factory is not None:
                 publisher = self._publisher_factory()
                 stack.push_async_callback(publisher.close)
+                self._adopt_limit(publisher)
                 stack.callback(setattr, self, "publisher", None)
                 self.publisher = publisher
                 connect = getattr(publisher, "connect", None) or getattr(publisher, "start", None)
@@ -330,33 +433,44 @@ class Receiver:
         source = self.app.webhooks.get(name)
         if source is None:
             return problem(404, "unknown-source", "Unknown webhook source", f"no source {name!r}")
-        if not source.accepts(request.headers.get("content-type")):
+        # One view of the headers for every check and for what is forwarded: of a header sent
+        # twice, the last one counts everywhere.
+        headers = Headers(request.headers)
+        if not source.accepts(headers.get("content-type")):
             return problem(
                 415,
                 "unsupported-media-type",
                 "Unsupported media type",
-                f"send one of: {', '.join(source.content_types)}",
+                f"send one of: {', '.join(source.content_types)} "
+                "(a Content-Type of at most 255 visible ASCII characters)",
             )
+        limit = self.body_limit(source)
         try:
-            body = await read_body(request, source.max_body_bytes)
+            body = await read_body(request, limit)
         except _TooLarge:
             return problem(
                 413,
                 "payload-too-large",
                 "Payload too large",
-                f"the body is over {source.max_body_bytes} bytes",
+                f"the body is over {limit} bytes",
                 headers={"Connection": "close"},
             )
         except _BadLength:
-            return problem(400, "bad-request", "Bad request", "Content-Length is not a number")
+            return problem(
+                400, "bad-request", "Bad request", "Content-Length is not a decimal byte count"
+            )
         except ClientDisconnect:
             return problem(400, "bad-request", "Bad request", "the client went away")
-        headers = Headers(request.headers)
         try:
             identity = source.identify(headers, body)
         except VerificationFailed as exc:
             self.stats["unauthenticated"] += 1
-            logger.info("webhook %s: 401 (%s)", source.name, exc)
+            logger.info(
+                "webhook %s: 401 (%s)",
+                source.name,
+                exc,
+                extra=_fields(source, None, "unauthenticated"),
+            )
             challenge = source.verify.challenge
             return problem(
                 401,
@@ -368,29 +482,56 @@ class Receiver:
         except KeyMissing as exc:
             return problem(400, "missing-key", "Missing idempotency key", str(exc))
         except ConfigurationError as exc:
-            logger.error("webhook %s cannot verify requests: %s", source.name, exc)
+            logger.error(
+                "webhook %s cannot verify requests: %s",
+                source.name,
+                exc,
+                extra=_fields(source, None, "misconfigured"),
+            )
             return problem(500, "misconfigured", "Receiver misconfigured", source.name)
-        return await self._claim(source, identity, headers, body)
+        forward = forwarded_headers(headers, source, identity)
+        if header_list_bytes(forward) > MAX_FORWARDED_HEADER_BYTES:
+            return problem(
+                431,
+                "headers-too-large",
+                "Request header fields too large",
+                f"the headers to forward are over {MAX_FORWARDED_HEADER_BYTES} bytes "
+                "(name + value + 32 per header)",
+            )
+        return await self._claim(source, identity, forward, body)
 
     # -- claim, publish, store -------------------------------------------------------------
 
     async def _claim(
-        self, source: WebhookSource, identity: Identity, headers: Headers, body: bytes
+        self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
     ) -> Response:
         store, publisher = self.store, self.publisher
         if store is None or publisher is None:
             return _unavailable("not-started", "the receiver has not started (lifespan)")
         request = ClaimRequest(identity.scope, identity.key, hashlib.sha256(body).digest())
         for _ in range(RECLAIM_TRIES):
+            started = time.perf_counter()
             try:
-                [claim] = await store.claim_batch(
-                    [request], lease_s=source.lease_s, retention_s=source.retention_s
+                async with asyncio.timeout(self.store_timeout_s):
+                    [claim] = await store.claim_batch(
+                        [request], lease_s=source.lease_s, retention_s=source.retention_s
+                    )
+            except Exception as exc:
+                # StoreError, our timeout, or whatever else the driver raised: an outage of
+                # ours. A claim that committed just as the timeout struck lapses with its lease.
+                self.stats["store_unavailable"] += 1
+                logger.warning(
+                    "webhook %s: claiming key %s failed (%s: %s)",
+                    source.name,
+                    identity.key,
+                    exc.__class__.__name__,
+                    exc,
+                    extra=_fields(source, identity, "store_unavailable"),
                 )
-            except StoreError as exc:
-                logger.warning("webhook %s: the claim store is unavailable: %s", source.name, exc)
                 return _unavailable("store-unavailable", "the claim store is unavailable")
+            self.metrics.claimed(source.scope, time.perf_counter() - started, 1)
             if claim.owned:
-                return await self._publish(source, identity, claim, headers, body)
+                return await self._publish(source, identity, claim, forward, body)
             if claim.status is not None:
                 return self._answer_for(source, identity, claim)
             # The row vanished between our insert and our look (clean-up): claim again.
@@ -402,7 +543,12 @@ class Receiver:
             self.stats["conflicts"] += 1
             if self.activity is not None:
                 self.activity.conflict(claim.scope, claim.key, "webhook body differs: 422")
-            logger.info("webhook %s: key %s reused with another body: 422", source.name, claim.key)
+            logger.info(
+                "webhook %s: key %s reused with another body: 422",
+                source.name,
+                claim.key,
+                extra=_fields(source, identity, "conflict"),
+            )
             return problem(
                 422,
                 "key-conflict",
@@ -420,7 +566,12 @@ class Receiver:
         self.stats["replayed"] += 1
         if self.activity is not None:
             self.activity.duplicate(claim.scope)
-        logger.debug("webhook %s: replayed key %s", source.name, claim.key)
+        logger.debug(
+            "webhook %s: replayed key %s",
+            source.name,
+            claim.key,
+            extra=_fields(source, identity, "replayed"),
+        )
         return stored.response(replayed=True)
 
     async def _publish(
@@ -428,7 +579,7 @@ class Receiver:
         source: WebhookSource,
         identity: Identity,
         claim: Claim,
-        headers: Headers,
+        forward: dict[str, str],
         body: bytes,
     ) -> Response:
         store, publisher = self.store, self.publisher
@@ -437,15 +588,28 @@ class Receiver:
         try:
             async with asyncio.timeout(self.publish_timeout_s):
                 await publisher.publish(
-                    source.channel,
-                    body,
-                    message_id=identity.message_id,
-                    headers=forwarded_headers(headers, source, identity),
+                    source.channel, body, message_id=identity.message_id, headers=forward
                 )
         except asyncio.CancelledError:
             await asyncio.shield(self._give_back(fence))
             raise
         except Exception as exc:
+            await self._give_back(fence)
+            if _too_large_for_broker(exc):
+                self.stats["broker_refused"] += 1
+                logger.info(
+                    "webhook %s: the broker refused key %s for its size (%s): 413",
+                    source.name,
+                    claim.key,
+                    exc.__class__.__name__,
+                    extra=_fields(source, identity, "broker_refused"),
+                )
+                return problem(
+                    413,
+                    "payload-too-large",
+                    "Payload too large",
+                    "the broker refuses a message this large (body and headers)",
+                )
             self.stats["broker_unavailable"] += 1
             logger.warning(
                 "webhook %s: publishing to %s failed (%s: %s); key %s released for the "
@@ -455,32 +619,48 @@ class Receiver:
                 exc.__class__.__name__,
                 exc,
                 claim.key,
+                extra=_fields(source, identity, "broker_unavailable"),
             )
-            await self._give_back(fence)
             return _unavailable("broker-unavailable", "the broker did not confirm the message")
         reply = accepted(source, identity)
         try:
-            await store.complete([(fence, reply.to_result(), source.retention_s)])
-        except StoreError as exc:
+            async with asyncio.timeout(self.store_timeout_s):
+                await store.complete([(fence, reply.to_result(), source.retention_s)])
+        except Exception as exc:
             # The message is on the broker: accepted is the truth. A retry after the lease
             # publishes it again under the same message id, and the worker dedupes that.
             logger.warning(
-                "webhook %s: key %s published but its reply was not stored: %s",
+                "webhook %s: key %s published but its reply was not stored (%s: %s)",
                 source.name,
                 claim.key,
+                exc.__class__.__name__,
                 exc,
+                extra=_fields(source, identity, "reply_not_stored"),
             )
         self.stats["accepted"] += 1
-        logger.debug("webhook %s: accepted key %s -> %s", source.name, claim.key, source.channel)
+        logger.debug(
+            "webhook %s: accepted key %s -> %s",
+            source.name,
+            claim.key,
+            source.channel,
+            extra=_fields(source, identity, "accepted"),
+        )
         return reply.response()
 
     async def _give_back(self, fence: Fence) -> None:
         """Release the key at once, so the sender's retry takes it over without waiting."""
         assert self.store is not None
         try:
-            await self.store.give_back(fence)
-        except StoreError as exc:
-            logger.warning("could not release key %s (%s); its lease expires", fence.key, exc)
+            async with asyncio.timeout(self.store_timeout_s):
+                await self.store.give_back(fence)
+        except Exception as exc:
+            logger.warning(
+                "could not release key %s (%s: %s); its lease expires",
+                fence.key,
+                exc.__class__.__name__,
+                exc,
+                extra={"scope": fence.scope, "key": fence.key, "outcome": "not_released"},
+            )
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:
@@ -520,6 +700,44 @@ async def _http_problem(request: Request, exc: Exception) -> Response:
     )
 
 
+class _ProblemOnError:
+    """A bug of ours is a logged 500 problem+json, not Starlette's text/plain 500 (and it is
+    not raised on to the server, which would log it a second time)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            logger.exception(
+                "unexpected error answering %s %s: 500",
+                scope.get("method"),
+                scope.get("path"),
+                extra={"outcome": "internal_error"},
+            )
+            if started:
+                raise  # too late for a reply of ours: let the server close the connection
+            response = problem(
+                500,
+                "internal-error",
+                "Internal server error",
+                "an unexpected error in the receiver; it has been logged",
+            )
+            await response(scope, receive, send)
+
+
 def create_receiver(
     app: App,
     *,
@@ -528,8 +746,12 @@ def create_receiver(
     database_url: str | None = None,
     owner: str | None = None,
     publish_timeout_s: float = 5.0,
+    store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S,
     status_token: str | None = None,
+    serve_status: bool = True,
+    serve_metrics: bool = True,
     metrics: Metrics | None = None,
+    metrics_interval_s: float = 15.0,
 ) -> Starlette:
     """A Starlette app serving `app`'s webhook sources.
 
@@ -545,13 +767,27 @@ def create_receiver(
         database_url: PostgreSQL URL of the claims, opened by the lifespan.
         owner: Written on claims (default: receiver@host:pid).
         publish_timeout_s: Longest wait for the broker's confirm before answering 503.
-        status_token: Required to release keys from /status (default: loopback clients only).
+        store_timeout_s: Longest wait for one claims-table statement (claim, store the
+            reply, release) before answering 503.
+        status_token: Needed to release keys from /status, and to view it from a client
+            that is not on the loopback interface (without a token, only loopback clients
+            may view or release).
+        serve_status: Serve /status; False leaves it to `dedupe-worker status --serve`.
+        serve_metrics: Serve /metrics.
         metrics: Where /metrics reads from (default: a registry of the receiver's own).
+        metrics_interval_s: Period of the claims-table gauges.
     """
     if not app.webhooks:
         raise ConfigurationError(
             f"app {app.name!r} declares no webhook sources; add one with app.webhook(...)"
         )
+    for name, value in (
+        ("publish_timeout_s", publish_timeout_s),
+        ("store_timeout_s", store_timeout_s),
+        ("metrics_interval_s", metrics_interval_s),
+    ):
+        if not value > 0:
+            raise ConfigurationError(f"{name}={value!r} must be a positive number of seconds")
     for source in app.webhooks.values():
         if publish_timeout_s >= source.lease_s:
             raise ConfigurationError(
@@ -565,17 +801,30 @@ def create_receiver(
         database_url=database_url,
         owner=owner or f"receiver@{socket.gethostname()}:{os.getpid()}",
         publish_timeout_s=publish_timeout_s,
+        store_timeout_s=store_timeout_s,
         metrics=metrics,
+        metrics_interval_s=metrics_interval_s,
     )
-    status = StatusPage(lambda: receiver.store, token=status_token, title=f"{app.name} receiver")
+    routes: list[BaseRoute] = [
+        Route("/webhooks/{source}", receiver.webhook, methods=["POST"]),
+        Route("/healthz", receiver.healthz, methods=["GET"]),
+        Route("/readyz", receiver.readyz, methods=["GET"]),
+    ]
+    if serve_metrics:
+        routes.append(Route("/metrics", receiver.metrics_text, methods=["GET"]))
+    if serve_status:
+        # On the webhook port the whole internet may knock: the page shows keys, tenants
+        # and errors, so only operators see it (the token, or a loopback client).
+        status = StatusPage(
+            lambda: receiver.store,
+            token=status_token,
+            title=f"{app.name} receiver",
+            operators_only=True,
+        )
+        routes.extend(status.routes())
     asgi = Starlette(
-        routes=[
-            Route("/webhooks/{source}", receiver.webhook, methods=["POST"]),
-            Route("/healthz", receiver.healthz, methods=["GET"]),
-            Route("/readyz", receiver.readyz, methods=["GET"]),
-            Route("/metrics", receiver.metrics_text, methods=["GET"]),
-            *status.routes(),
-        ],
+        routes=routes,
+        middleware=[Middleware(_ProblemOnError)],
         exception_handlers={HTTPException: _http_problem},
         lifespan=receiver.lifespan,
     )

@@ -7,14 +7,17 @@ stuck keys with a button to release one. Server-rendered HTML, no JavaScript fra
 Mounted by the webhook receiver and served by `dedupe-worker status --serve`. Releasing is
 an operator's action: with a token configured (DEDUPE_STATUS_TOKEN) the page must be opened
 as /status?token=... and every release carries it; without one, only clients on the loopback
-interface may release. A release whose Origin is another site is refused (no cross-site
-forms), and the browser asks for confirmation first.
+interface may release. A release whose Origin is another site (or "null") is refused, and so
+is one without an Origin when no token protects it (no cross-site forms); the browser asks
+for confirmation first. With `operators_only` (the receiver's port faces the senders), only
+those who may release see the page at all: token holders and loopback clients.
 """
 
 from __future__ import annotations
 
 import hmac
 import html
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -31,7 +34,7 @@ from dedupe.store import ClaimStore
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+LOOPBACK = frozenset({"localhost"})
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 h1{font-size:1.4em}h2{font-size:1.1em;margin-top:2em}
@@ -54,6 +57,21 @@ def _e(value: Any) -> str:
     return html.escape(text if len(text) <= 120 else text[:117] + "...")
 
 
+def is_loopback(host: str | None) -> bool:
+    """Whether a client address is this machine (127.0.0.0/8, ::1, ::ffff:127.x)."""
+    if host is None:
+        return False
+    if host in LOOPBACK:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
 class StatusPage:
     """The page and its release action over a claim store."""
 
@@ -64,11 +82,13 @@ class StatusPage:
         token: str | None = None,
         title: str = "dedupe-worker",
         path: str = "/status",
+        operators_only: bool = False,
     ) -> None:
         self._store = store
         self.token = token
         self.title = title
         self.path = path
+        self.operators_only = operators_only
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -80,18 +100,35 @@ class StatusPage:
         store = self._store if isinstance(self._store, ClaimStore) else self._store()
         return ClaimAdmin(store) if store is not None else None
 
+    def _token_matches(self, token: str | None) -> bool:
+        return (
+            self.token is not None
+            and token is not None
+            and hmac.compare_digest(token.encode(), self.token.encode())
+        )
+
     def _may_release(self, request: Request, token: str | None) -> bool:
         if self.token is not None:
-            return token is not None and hmac.compare_digest(token, self.token)
-        return request.client is not None and request.client.host in LOOPBACK
+            return self._token_matches(token)
+        return is_loopback(request.client.host if request.client else None)
+
+    def _may_view(self, request: Request, token: str | None) -> bool:
+        if not self.operators_only:
+            return True
+        return self._token_matches(token) or is_loopback(
+            request.client.host if request.client else None
+        )
 
     # -- GET -----------------------------------------------------------------------------
 
     async def page(self, request: Request) -> Response:
+        token = request.query_params.get("token")
+        if not self._may_view(request, token):
+            needs = "?token=<the status token>" if self.token else "a loopback client"
+            return Response(f"the status page needs {needs}", status_code=403)
         admin = self._admin()
         if admin is None:
             return HTMLResponse("<p>not started</p>", status_code=503)
-        token = request.query_params.get("token")
         try:
             stuck_after_s = float(request.query_params.get("stuck_after_s", "60"))
         except ValueError:
@@ -193,7 +230,14 @@ class StatusPage:
 
     async def release(self, request: Request) -> Response:
         origin = request.headers.get("origin")
-        if origin and origin != "null" and urlsplit(origin).netloc != request.headers.get("host"):
+        if origin is None:
+            # Without a token, being on this machine is the only credential, and every
+            # browser here has it; browsers send Origin with a POST, so a request without
+            # one is not our page's form. A token vouches for curl and scripts.
+            if self.token is None:
+                return Response("a release needs an Origin header", status_code=403)
+        elif origin == "null" or urlsplit(origin).netloc != request.headers.get("host"):
+            # "null": a sandboxed frame, a file: page or a redirect from another site.
             return Response("cross-site release refused", status_code=403)
         form = await request.form()
         scope, key, token = form.get("scope"), form.get("key"), form.get("token")

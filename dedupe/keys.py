@@ -20,7 +20,8 @@ MAX_KEY_LENGTH = 512
 def _body_json(message: Message) -> Any:
     try:
         return json.loads(message.body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # RecursionError: nesting deeper than the interpreter's stack, e.g. b"[" * 100_000.
         raise InvalidPayload(f"body is not valid JSON ({exc.__class__.__name__})") from exc
 
 

@@ -32,6 +32,10 @@ MAX_MESSAGE_ID_BYTES = 255
 # More signatures than this in one header is not key rotation; refuse instead of hashing on.
 MAX_SIGNATURES = 16
 
+# The Content-Type is forwarded as the AMQP content_type property, a short string (255 bytes
+# at most); media types are ASCII (RFC 9110). Any other value is refused with 415.
+MAX_CONTENT_TYPE_BYTES = 255
+_CONTENT_TYPE = re.compile(rf"[\t\x20-\x7e]{{0,{MAX_CONTENT_TYPE_BYTES}}}")
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _TIMESTAMP = re.compile(r"^[0-9]{1,12}$")
 _HEX_SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -93,8 +97,12 @@ def _resolve(source: Secrets, what: str) -> tuple[str, ...]:
 
 
 def _b(text: str) -> bytes:
-    # Headers arrive as latin-1 text; compare_digest needs bytes (or ASCII-only str).
-    return text.encode("utf-8", "replace")
+    """The header's bytes as they were sent: ASGI servers decode header values as latin-1."""
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        # Not from an HTTP server (a caller's own str): the sender would have sent UTF-8.
+        return text.encode("utf-8", "replace")
 
 
 def _hmac_sha256(key: bytes, *parts: bytes) -> bytes:
@@ -243,8 +251,8 @@ class _Stripe:
             raise VerificationFailed("no v1 signature of Stripe-Signature matches the body")
         try:
             event = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            event = None
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            event = None  # not a JSON object: the request carries no key (400)
         key = event.get("id") if isinstance(event, dict) else None
         return Verified(
             key=key if isinstance(key, str) and key else None,
@@ -398,7 +406,10 @@ class WebhookSource:
         return f"{self.app_name}.webhook:{self.name}"
 
     def accepts(self, content_type: str | None) -> bool:
-        """Whether the request's media type is one this source takes."""
+        """Whether the request's media type is one this source takes; never a Content-Type
+        over 255 bytes or with characters other than visible ASCII (AMQP cannot carry it)."""
+        if content_type is not None and not _CONTENT_TYPE.fullmatch(content_type):
+            return False
         if "*/*" in self.content_types:
             return True
         media = (content_type or "").split(";", 1)[0].strip().lower()

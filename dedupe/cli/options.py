@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import logging
 import sys
+import sysconfig
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import traceback
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import pydantic
@@ -66,6 +71,114 @@ def add_common(parser: argparse.ArgumentParser, *, broker: bool) -> None:
     )
 
 
+# -- options of one command, each with its DEDUPE_<COMMAND>_<OPTION> variable ---------------
+
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FromEnvironment:
+    """The default of an option left off the command line: its variable, else `fallback`."""
+
+    variable: str
+    fallback: Any
+    shown: str  # the default as the help and the docs show it
+
+
+# The receive command's variables are DEDUPE_RECEIVER_*, like its host and port settings.
+VARIABLE_PREFIX = {"receive": "receiver"}
+
+
+def option_variable(prog: str, flag: str) -> str:
+    """`dedupe-worker claims list` and `--older-than-s` -> DEDUPE_CLAIMS_LIST_OLDER_THAN_S."""
+    words = [VARIABLE_PREFIX.get(word, word) for word in prog.split()[1:]]
+    return "DEDUPE_" + "_".join([*words, flag.lstrip("-")]).upper().replace("-", "_")
+
+
+def add_option(
+    parser: argparse.ArgumentParser,
+    *flags: str,
+    help: str,
+    default: Any = None,
+    shown: str | None = None,
+    **kwargs: Any,
+) -> None:
+    """Add an option of this command alone; left off the command line, it reads the variable
+    DEDUPE_<COMMAND>_<OPTION> (read_environment), which its help names with its default."""
+    variable = option_variable(parser.prog, flags[0])
+    if shown is None:
+        shown = str(default).lower() if isinstance(default, bool) else str(default)
+    parser.add_argument(
+        *flags,
+        default=FromEnvironment(variable, default, shown),
+        help=f"{help} [{variable}; {shown}]",
+        **kwargs,
+    )
+
+
+def commands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every (sub)command's parser with its name (`""` for the top, `claims list`, ...)."""
+
+    def walk(
+        p: argparse.ArgumentParser, name: str
+    ) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+        yield name, p
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for word, sub in action.choices.items():
+                    yield from walk(sub, f"{name} {word}".strip())
+
+    return walk(parser, "")
+
+
+def variable_of(action: argparse.Action) -> str | None:
+    """The environment variable an option reads, or None (--yes, --help, positionals)."""
+    if isinstance(action.default, FromEnvironment):
+        return action.default.variable
+    if action.dest in Settings.model_fields and action.option_strings:
+        return f"DEDUPE_{action.dest.upper()}"
+    return None
+
+
+def read_environment(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]
+) -> None:
+    """Give each command option left off the command line its variable's value, else its
+    default (settings read theirs in settings_from). An empty variable counts as unset."""
+    for _, command in commands(parser):
+        for action in command._actions:
+            # Still the marker: not given on the command line (and this command's option, not
+            # another command's with the same dest).
+            if getattr(args, action.dest, None) is action.default:
+                marker = action.default
+                if isinstance(marker, FromEnvironment):
+                    raw = environ.get(marker.variable, "")
+                    setattr(args, action.dest, _from_text(action, marker, raw))
+
+
+def _from_text(action: argparse.Action, marker: FromEnvironment, raw: str) -> Any:
+    if not raw:
+        return marker.fallback
+    if action.nargs == 0:  # a flag such as --json
+        word = raw.strip().lower()
+        if word in TRUE_WORDS | FALSE_WORDS:
+            return action.const if word in TRUE_WORDS else marker.fallback
+        raise UsageError(f"{marker.variable}={raw!r}: expected true or false (1/0, yes/no, on/off)")
+    convert: Callable[[str], Any] = action.type if callable(action.type) else str
+    try:
+        value = convert(raw)
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+        kinds: dict[object, str] = {int: "a whole number", float: "a number"}
+        kind = kinds.get(convert, "a valid value")
+        raise UsageError(f"{marker.variable}={raw!r}: expected {kind}") from exc
+    if action.choices is not None and value not in action.choices:
+        raise UsageError(
+            f"{marker.variable}={raw!r}: expected one of {', '.join(map(str, action.choices))}"
+        )
+    return value
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     """Settings from the environment, overridden by the options given on the command line."""
     overrides = {
@@ -105,13 +218,7 @@ def load_app(target: str, *, need: str = "handlers") -> App:
         raise UsageError(f"{target!r}: expected MODULE:APP, for example handlers.payments:app")
     if "" not in sys.path:
         sys.path.insert(0, "")  # like python -m: the current directory is importable
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise UsageError(
-            f"cannot import module {module_name!r} ({exc}); run from your project's root or "
-            "add it to PYTHONPATH"
-        ) from exc
+    module = _import_app_module(module_name)
     app = getattr(module, attribute, None)
     if not isinstance(app, App):
         raise UsageError(
@@ -127,6 +234,58 @@ def load_app(target: str, *, need: str = "handlers") -> App:
     if not app.handlers:
         raise UsageError(f"app {app.name!r} has no handlers; register one with @app.handler(...)")
     return app
+
+
+def _import_app_module(name: str) -> ModuleType:
+    """Import the app's module; an error in it becomes one line: where, what, what to do."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or name
+        if name == missing or name.startswith(f"{missing}."):
+            raise UsageError(
+                f"cannot import module {name!r} ({exc}); run from your project's root or "
+                "add it to PYTHONPATH"
+            ) from exc
+        raise UsageError(
+            f"{_where(exc)}: module {name!r} imports {missing!r}, which is not installed in "
+            f"this Python ({sys.executable}): install it there, or correct the import if "
+            "it is a module of your project"
+        ) from exc
+    except SyntaxError as exc:  # IndentationError and TabError too
+        where = f"{_shown(exc.filename)}:{exc.lineno}" if exc.filename else _where(exc)
+        raise UsageError(
+            f"{where}: {type(exc).__name__}: {exc.msg} (while importing {name!r}); fix that "
+            "line and start the command again"
+        ) from exc
+    except DedupeError as exc:  # a registration error: its message says what to do
+        raise ConfigurationError(f"{_where(exc)}: {exc}") from exc
+    except Exception as exc:
+        logger.debug("importing %s failed", name, exc_info=exc)
+        raise UsageError(
+            f"{_where(exc)}: importing {name!r} raised {type(exc).__name__}: {exc}; fix the "
+            "module (--log-level DEBUG prints the traceback)"
+        ) from exc
+
+
+def _where(exc: BaseException) -> str:
+    """`file:line` of the innermost frame of the user's code in exc's traceback."""
+    library = [
+        Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "purelib", "platlib")
+    ]
+    library.append(Path(__file__).resolve().parent.parent)  # dedupe itself
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    for frame in reversed(frames):
+        path = Path(frame.filename).resolve()
+        if not any(path.is_relative_to(root) for root in library):
+            return f"{_shown(frame.filename)}:{frame.lineno}"
+    return f"{_shown(frames[-1].filename)}:{frames[-1].lineno}" if frames else "<unknown>"
+
+
+def _shown(filename: str) -> str:
+    """A path relative to the current directory when it is below it (shorter to read)."""
+    path = Path(filename).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else filename
 
 
 def make_transport(settings: Settings, *, app_name: str | None = None) -> Transport:

@@ -45,7 +45,11 @@ async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:
             store=store,
             publisher=lambda: publisher,
             owner=settings.worker_name,
+            store_timeout_s=args.store_timeout_s,
             status_token=token,
+            serve_status=not args.no_status,
+            serve_metrics=not args.no_metrics,
+            metrics_interval_s=settings.metrics_interval_s,
         )
         config = uvicorn.Config(
             asgi,

@@ -1,16 +1,23 @@
-"""The configuration reference (docs/configuration.md) generated from Settings and the parser.
+"""The configuration reference (docs/configuration.md) generated from the code: Settings,
+the parser, the commands' source, and the Kafka transport's URL options.
 
-    python -m dedupe.cli.reference > table.md
+    python -m dedupe.cli.reference > tables.md
 
-A test checks that docs/configuration.md holds exactly this table, so a new setting or
-option cannot be left out of the docs.
+A test checks that docs/configuration.md holds exactly these tables, so a new setting,
+option, Kafka option or environment variable cannot be left out of the docs.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+from collections.abc import Callable
 
 from ..settings import Settings
+from .options import FromEnvironment, commands
 
 # What each setting means; a test fails when a Settings field has no line here.
 MEANING = {
@@ -34,41 +41,150 @@ MEANING = {
     "metrics_interval_s": "period of the claims-table gauges (oldest in-progress, clean-up lag)",
     "status_host": "address of `status --serve`",
     "status_port": "port of `status --serve`",
-    "status_token": "required to release keys from the status page; unset = loopback clients "
-    "only (environment only: a secret does not belong on a command line)",
+    "status_token": "required to release keys from the status page, and to view it on the "
+    "receiver's port from another host; unset = loopback clients only (environment only: a "
+    "secret does not belong on a command line)",
 }
+
+
+# What each Kafka URL option means; a test fails when a KafkaOptions field has no line here.
+KAFKA_MEANING = {
+    "group_id": "the consumer group; the workers of an app share it",
+    "client_id": "the client's name in the broker's logs and metrics",
+    "partitions": "partitions of the topics the worker creates (a channel and its `.dlq`) "
+    "when they do not exist",
+    "replication_factor": "replicas of the topics it creates; 0 = min(3, brokers in the cluster)",
+    "batch_max": "records per fetch, and per claim statement",
+    "max_held": "deferred messages held in memory per partition before it stops fetching",
+    "commit_interval_s": "period of the offset commits",
+    "revoke_timeout_s": "on a rebalance, how long in-flight work of a revoked partition may "
+    "finish; the rest goes to the next owner uncommitted",
+    "session_timeout_ms": "the group drops a worker not heard from for this long "
+    "(`session.timeout.ms`)",
+    "heartbeat_interval_ms": "period of the heartbeats to the group (`heartbeat.interval.ms`)",
+    "max_poll_interval_ms": "the group drops a worker that does not poll for this long "
+    "(`max.poll.interval.ms`); the worker keeps polling while handlers run",
+    "fetch_max_wait_ms": "how long the broker may hold a fetch to fill it "
+    "(`fetch.max.wait.ms`): latency against batch size",
+}
+
+# Defaults `run` gives the Kafka transport instead of KafkaOptions' own (consumers.kafka:
+# KafkaTransport); a unit test checks each against the transport.
+KAFKA_RUN_DEFAULT = {
+    "group_id": "`dedupe-<app name>`",
+    "client_id": "`DEDUPE_WORKER_NAME`",
+    "batch_max": "`DEDUPE_PREFETCH` (2 x concurrency)",
+    "revoke_timeout_s": "`DEDUPE_SHUTDOWN_TIMEOUT_S`, at most 10",
+}
+
+# Variables read by the libraries underneath, not by dedupe-worker's own settings; a unit test
+# fails when the code reads an environment variable that is neither here nor a setting.
+OTHER_VARIABLES = {
+    "PGSSLMODE": (
+        "commands that connect to PostgreSQL",
+        "TLS to PostgreSQL when the URL has no `sslmode` (read by asyncpg). Set, it also "
+        "turns off the shortcut that connects to a loopback PostgreSQL without TLS",
+    ),
+    "PGPASSWORD, PGPASSFILE, PGSSLROOTCERT, PGSSLCERT, PGSSLKEY, ...": (
+        "commands that connect to PostgreSQL",
+        "the other libpq variables asyncpg reads, for what the URL leaves out (a password, "
+        "TLS certificates)",
+    ),
+    "OTEL_*": (
+        "run",
+        "read by the OpenTelemetry SDK, not by dedupe-worker: they apply once the SDK is "
+        "configured, e.g. under `opentelemetry-instrument` (`OTEL_SERVICE_NAME`, "
+        "`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_TRACES_SAMPLER`, ...); see "
+        "[observability.md](observability.md#traces)",
+    ),
+    "PYTHONPATH": (
+        "run, receive",
+        "where MODULE of MODULE:APP is looked for, after the current directory",
+    ),
+}
+
+ALL_COMMANDS = "all commands"
 
 
 def _flags(parser: argparse.ArgumentParser) -> dict[str, dict[str, set[str]]]:
     """{setting: {flag: {commands}}} for every option whose dest is a setting."""
     found: dict[str, dict[str, set[str]]] = {}
-
-    def walk(p: argparse.ArgumentParser, command: str) -> None:
+    for command, p in commands(parser):
         for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    walk(sub, f"{command} {name}".strip())
-            elif action.dest in Settings.model_fields and action.option_strings:
+            if action.dest in Settings.model_fields and action.option_strings:
                 flag = max(action.option_strings, key=len)
                 found.setdefault(action.dest, {}).setdefault(flag, set()).add(command)
-
-    walk(parser, "")
     return found
 
 
-def _commands(commands: set[str]) -> str:
-    tops = sorted({c.split()[0] for c in commands})
-    return "all commands" if len(tops) >= 6 else ", ".join(tops)
+def _commands(names: set[str], every: set[str]) -> str:
+    tops = {c.split()[0] for c in names}
+    return ALL_COMMANDS if tops >= every else ", ".join(sorted(tops))
+
+
+def settings_read_by() -> dict[str, set[str]]:
+    """{setting: {commands}}: the commands whose code reads each setting, found in the source
+    of main() and of each command's handler, following the functions of dedupe.cli it uses."""
+    from . import build_parser, main
+
+    everywhere = _settings_read_in(main)
+    found: dict[str, set[str]] = {name: set() for name in Settings.model_fields}
+    for command, parser in commands(build_parser()):
+        handler = parser.get_default("handler")
+        if handler is None or " " in command:
+            continue
+        for name in everywhere | _settings_read_in(handler):
+            found[name].add(command)
+    return found
+
+
+def _settings_read_in(root: Callable[..., object]) -> set[str]:
+    """The settings read as `settings.<name>` in root and the dedupe.cli functions it calls."""
+    names: set[str] = set()
+    seen: set[Callable[..., object]] = set()
+    queue = [root]
+    while queue:
+        function = queue.pop()
+        if function in seen:
+            continue
+        seen.add(function)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "settings"
+            ):
+                names.add(node.attr)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                called = getattr(function, "__globals__", {}).get(node.func.id)
+                if inspect.isfunction(called) and called.__module__.startswith(__package__ or ""):
+                    queue.append(called)
+    for name in list(names):  # a property such as effective_prefetch reads other settings
+        prop = getattr(Settings, name, None)
+        if isinstance(prop, property) and prop.fget is not None:
+            source = textwrap.dedent(inspect.getsource(prop.fget))
+            names.update(
+                node.attr
+                for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            )
+    return names & set(Settings.model_fields)
 
 
 def table() -> str:
-    """The markdown table: variable, options, default, meaning."""
+    """The settings: variable, options, the commands that read it, default, meaning."""
     from . import build_parser
 
-    flags = _flags(build_parser())
+    parser = build_parser()
+    every = {c for c, p in commands(parser) if c and " " not in c}
+    flags = _flags(parser)
+    read_by = settings_read_by()
     lines = [
-        "| environment variable | option (commands) | default | meaning |",
-        "|---|---|---|---|",
+        "| environment variable | option (commands) | read by | default | meaning |",
+        "|---|---|---|---|---|",
     ]
     for name, field in Settings.model_fields.items():
         if field.default_factory is not None:
@@ -78,49 +194,86 @@ def table() -> str:
         else:
             default = f"`{field.default}`"
         options = "; ".join(
-            f"`{flag}` ({_commands(commands)})"
-            for flag, commands in sorted(flags.get(name, {}).items())
+            f"`{flag}` ({_commands(offered, every)})"
+            for flag, offered in sorted(flags.get(name, {}).items())
         )
         lines.append(
-            f"| `DEDUPE_{name.upper()}` | {options or '-'} | {default} | {MEANING[name]} |"
+            f"| `DEDUPE_{name.upper()}` | {options or '-'} | "
+            f"{_commands(read_by[name], every) if read_by[name] else '-'} | {default} | "
+            f"{MEANING[name]} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def command_options() -> str:
-    """Per command, the options that are not settings (they have no environment variable)."""
+    """Per command, the options that are not settings, with their DEDUPE_<COMMAND>_<OPTION>."""
     from . import build_parser
 
-    lines = ["| command | option | meaning |", "|---|---|---|"]
+    lines = [
+        "| command | option | environment variable | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for command, parser in commands(build_parser()):
+        for action in parser._actions:
+            if action.dest in Settings.model_fields or isinstance(
+                action, argparse._HelpAction | argparse._SubParsersAction
+            ):
+                continue
+            name = (
+                ", ".join(f"`{o}`" for o in action.option_strings)
+                or f"`{action.metavar or action.dest}`"
+            )
+            meaning = (action.help or "").replace("|", "\\|")
+            marker = action.default
+            if isinstance(marker, FromEnvironment):
+                variable = f"`{marker.variable}`"
+                meaning = meaning.removesuffix(f" [{marker.variable}; {marker.shown}]")
+                default = marker.shown
+            else:
+                variable = "-"
+                default = "-" if action.default in (None, False) else str(action.default)
+            lines.append(f"| `{command}` | {name} | {variable} | {default} | {meaning} |")
+    return "\n".join(lines) + "\n"
 
-    def walk(p: argparse.ArgumentParser, command: str) -> None:
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    walk(sub, f"{command} {name}".strip())
-            elif action.dest not in Settings.model_fields and action.dest != "help":
-                name = (
-                    ", ".join(f"`{o}`" for o in action.option_strings)
-                    or f"`{action.metavar or action.dest}`"
-                )
-                meaning = (action.help or "").replace("|", "\\|")
-                if not meaning and action.choices:
-                    meaning = "one of " + ", ".join(map(str, action.choices))
-                if not meaning and action.dest == "key":
-                    meaning = "the idempotency key"
-                if not meaning and action.dest == "channel":
-                    meaning = "the channel whose `<channel>.dlq` is read"
-                if action.default not in (None, False) and not meaning.endswith(")"):
-                    meaning += f" (default {action.default})"
-                lines.append(f"| `{command}` | {name} | {meaning} |")
 
-    walk(build_parser(), "")
+def kafka_options() -> str:
+    """The options of a kafka:// broker URL (consumers.kafka_clients.KafkaOptions)."""
+    from consumers.kafka_clients import KafkaOptions
+
+    lines = [
+        "| URL option | type | default | `run`'s default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for field in dataclasses.fields(KafkaOptions):
+        if field.name == "bootstrap_servers":
+            continue
+        lines.append(
+            f"| `{field.name}` | {field.type} | `{field.default}` | "
+            f"{KAFKA_RUN_DEFAULT.get(field.name, 'the same')} | {KAFKA_MEANING[field.name]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def other_variables() -> str:
+    """The variables dedupe-worker honours besides its own DEDUPE_* ones."""
+    lines = ["| environment variable | read by | meaning |", "|---|---|---|"]
+    for name, (read_by, meaning) in OTHER_VARIABLES.items():
+        variables = ", ".join(f"`{v}`" if v != "..." else v for v in name.split(", "))
+        lines.append(f"| {variables} | {read_by} | {meaning} |")
     return "\n".join(lines) + "\n"
 
 
 def reference() -> str:
-    """Both tables, as docs/configuration.md holds them between its markers."""
-    return f"{table()}\n### Options of each command\n\n{command_options()}"
+    """The tables, as docs/configuration.md holds them between its markers."""
+    sections = [table(), f"### Options of each command\n\n{command_options()}"]
+    sections.append(
+        "### Kafka options in the broker URL\n\n"
+        "`--broker 'kafka://host:9092,host2:9092?group_id=billing&partitions=8'`: every "
+        "command that talks to Kafka reads them; `run` gives four of them defaults of its "
+        f"own.\n\n{kafka_options()}"
+    )
+    sections.append(f"### Other environment variables\n\n{other_variables()}")
+    return "\n".join(sections)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -101,14 +101,14 @@ async def status_server(db_url: str) -> AsyncIterator[str]:
 async def plant(db: asyncpg.Connection) -> None:
     await db.execute(
         """INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, lease_until,
-                                      created_at, expires_at, attempts, error)
+                                      created_at, claimed_at, expires_at, attempts, error)
            VALUES ('shop.charge', 'stuck-1', '\\x00', 'in_progress', 'worker-gone',
                    now() - interval '4 minutes', now() - interval '15 minutes',
-                   now() + interval '7 days', 1, NULL),
+                   now() - interval '15 minutes', now() + interval '7 days', 1, NULL),
                   ('shop.charge', 'done-1', '\\x00', 'completed', 'worker-a', NULL,
-                   now(), now() + interval '7 days', 1, NULL),
+                   now(), now(), now() + interval '7 days', 1, NULL),
                   ('shop.charge', 'bad-1', '\\x00', 'in_progress', 'worker-a', now(),
-                   now(), now() + interval '7 days', 1, NULL)"""
+                   now(), now(), now() + interval '7 days', 1, NULL)"""
     )
     # bad-1 fails (its history records it), then a conflict is seen on done-1
     await db.execute(

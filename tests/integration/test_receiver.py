@@ -36,7 +36,7 @@ from consumers.rabbitmq import RabbitMQPublisher, RabbitMQTransport
 from consumers.receiver import create_receiver
 from dedupe import App
 from dedupe.store import ClaimRequest, ClaimStore
-from dedupe.webhooks import env, github
+from dedupe.webhooks import api_key, env, github
 from handlers.webhooks import make_app, setup
 from tests.conftest import KAFKA_URL, ROOT, eventually, running
 
@@ -429,6 +429,25 @@ async def test_api_keys_scope_idempotency_keys_per_tenant(
 
 # -- fuzzing -----------------------------------------------------------------------------------
 
+
+@pytest.fixture
+async def keyed_client(
+    hooks: App, store: ClaimStore, publisher: CountingPublisher, amqp_url: str
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The example app plus "ledger", whose key is the body's "id" (API-key auth)."""
+    ledger = hooks.webhook(
+        "ledger",
+        verify=api_key({API_KEY_A: "tenant-a"}),
+        channel=f"{hooks.webhooks['orders'].channel}-ledger",
+        key="body:id",
+    )
+    receiver = create_receiver(hooks, store=store, publisher=publisher)
+    transport = httpx.ASGITransport(app=receiver)
+    async with httpx.AsyncClient(transport=transport, base_url="http://receiver") as http:
+        yield http
+    await rabbitmq.delete_channels(amqp_url, [ledger.channel])  # no handler: not in app.channels
+
+
 HEADER_NAMES = [
     "content-type",
     "content-length",
@@ -445,12 +464,33 @@ HEADER_NAMES = [
     "message-id",
     "transfer-encoding",
 ]
+
+
+def _no_line_breaks(value: bytes) -> bytes:
+    return value.replace(b"\r", b"").replace(b"\n", b"")
+
+
+def _repeated(pattern: bytes, size: int) -> bytes:
+    return (pattern * (size // len(pattern) + 1))[:size]
+
+
+# Header values past AMQP's 255-byte short strings, up to a few KiB (a drawn pattern,
+# repeated: drawing thousands of bytes one by one would dominate the run time).
+long_header_values = st.builds(
+    _repeated,
+    st.binary(min_size=1, max_size=16).map(_no_line_breaks).filter(bool),
+    st.integers(200, 4000),
+)
+# Content-Types around the 255 bytes of AMQP's content_type, and with a non-ASCII byte.
+long_content_types = st.integers(200, 400).map(lambda n: b"application/json; p=" + b"x" * (n - 20))
 header_values = st.one_of(
-    st.binary(max_size=80).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b"")),
+    st.binary(max_size=80).map(_no_line_breaks),
+    long_header_values,
     st.sampled_from(
         [
             b"application/json",
             b"application/json; charset=utf-8",
+            b"application/json; charset=\xe9",
             b"sha256=" + b"0" * 64,
             b"t=1,v1=" + b"a" * 64,
             b"v1,AAAA",
@@ -465,19 +505,47 @@ header_values = st.one_of(
 )
 fuzz_headers = st.lists(
     st.tuples(
-        st.one_of(st.sampled_from(HEADER_NAMES), st.from_regex(r"\Ax-[a-z0-9-]{1,20}\Z")).map(
-            str.encode
-        ),
+        st.one_of(
+            st.sampled_from(HEADER_NAMES),
+            st.from_regex(r"\Ax-[a-z0-9-]{1,20}\Z"),
+            st.integers(120, 300).map(lambda n: "x-long-" + "n" * n),  # past AMQP's 128-byte keys
+        ).map(str.encode),
         header_values,
     ),
     max_size=10,
 )
+# Content-Length values a strict parser must refuse: str.isdigit() takes "²" (sent as the
+# latin-1 byte it is on the wire), int() refuses more than 4300 digits.
+odd_content_lengths = st.one_of(
+    st.text(alphabet="0123456789²³¹ +-_", max_size=6).map(lambda s: s.encode("latin-1")),
+    st.integers(4301, 6000).map(lambda n: b"1" * n),
+    st.from_regex(rb"\A[0-9]{15,25}\Z"),
+)
 # Mostly the declared sources (the deep paths), sometimes any path segment.
+SOURCES = ["github", "stripe", "billing", "orders", "ledger"]
 fuzz_sources = st.tuples(
     st.integers(0, 15), st.text(alphabet="abcxyz%._-~", min_size=1, max_size=12)
-).map(lambda p: ["github", "stripe", "billing", "orders"][p[0] % 4] if p[0] < 14 else p[1])
-fuzz_content_types = st.sampled_from(
-    [b"application/json"] * 6 + [b"application/x+json; v=1", b"text/plain", b"", b"\xff"]
+).map(lambda p: SOURCES[p[0] % len(SOURCES)] if p[0] < 14 else p[1])
+fuzz_content_types = st.one_of(
+    st.sampled_from(
+        [b"application/json"] * 6
+        + [b"application/x+json; v=1", b"text/plain", b"", b"\xff", b"application/json;\xe9"]
+    ),
+    long_content_types,
+)
+
+
+def _nested(depth: int, shape: tuple[bytes, bytes], closed: bool) -> bytes:
+    opening, closing = shape
+    return opening * depth + (b"0" + closing * depth if closed else b"")
+
+
+# JSON nested deeper than the interpreter's stack (a RecursionError in json.loads).
+deep_json = st.builds(
+    _nested,
+    st.integers(1_000, 150_000),
+    st.sampled_from([(b"[", b"]"), (b'{"id":', b"}"), (b'{"a":[', b"]}")]),
+    st.booleans(),
 )
 fuzz_bodies = st.one_of(
     st.binary(max_size=2048),
@@ -486,6 +554,7 @@ fuzz_bodies = st.one_of(
         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
         max_leaves=10,
     ).map(lambda value: json.dumps(value).encode()),
+    deep_json,
 )
 FUZZ = settings(
     max_examples=1200,
@@ -500,24 +569,26 @@ FUZZ = settings(
     source=fuzz_sources,
     method=st.integers(0, 15).map(lambda n: {14: "GET", 15: "PUT"}.get(n, "POST")),
     content_type=fuzz_content_types,
+    content_length=st.one_of(st.none(), st.none(), odd_content_lengths),
     headers=fuzz_headers,
     body=fuzz_bodies,
 )
 async def test_fuzzed_headers_and_bodies_never_yield_a_5xx(
-    client: httpx.AsyncClient,
+    keyed_client: httpx.AsyncClient,
     source: str,
     method: str,
     content_type: bytes,
+    content_length: bytes | None,
     headers: list[tuple[bytes, bytes]],
     body: bytes,
 ) -> None:
-    """Whatever arrives, the answer is a 2xx or a 4xx problem."""
-    request = client.build_request(method, f"/webhooks/{source}", content=body)
-    request.headers["content-type"] = content_type.decode("latin-1")
-    for name, value in headers:
-        if name != b"content-length":  # a lying Content-Length would hang the test client
-            request.headers[name.decode()] = value.decode("latin-1")
-    response = await client.send(request)
+    """Whatever arrives, the answer is a 2xx or a 4xx problem. Headers go out as raw bytes,
+    as a server would receive them (a lying Content-Length included)."""
+    raw = [(b"content-type", content_type), *headers]
+    if content_length is not None:
+        raw.append((b"content-length", content_length))
+    request = keyed_client.build_request(method, f"/webhooks/{source}", content=body, headers=raw)
+    response = await keyed_client.send(request)
     event(f"status {response.status_code}")
     assert response.status_code < 500, (response.status_code, response.text)
     if response.status_code >= 400:
@@ -529,6 +600,12 @@ signed_keys = st.one_of(
     st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-./:= ", min_size=1, max_size=60),
     st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=300),
 )
+signed_content_types = st.one_of(
+    st.sampled_from(
+        ["application/json"] * 6 + ["application/x+json", "text/plain", "application/json;\xe9"]
+    ),
+    long_content_types.map(bytes.decode),
+)
 
 
 @settings(
@@ -538,27 +615,37 @@ signed_keys = st.one_of(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
-    scheme=st.sampled_from(["github", "stripe", "billing", "orders"]),
+    scheme=st.sampled_from(["github", "stripe", "billing", "orders", "ledger"]),
     key=signed_keys,
     body=fuzz_bodies,
+    keyed=st.booleans(),
     # Margins of 10 s around the 300 s edge (the exact edges are unit-tested with a fixed
     # clock): the two sends of one example must fall on the same side of it, even when slow.
     skew_s=st.sampled_from([0, 0, 0, -290, 290, -310, 310, 10**9]),
     tamper=st.sampled_from([False] * 5 + [True]),
-    content_type=st.sampled_from(["application/json"] * 4 + ["application/x+json", "text/plain"]),
+    content_type=signed_content_types,
+    extra=st.lists(
+        st.tuples(st.from_regex(r"\Ax-extra-[a-z]{1,8}\Z").map(str.encode), long_header_values),
+        max_size=3,
+    ),
 )
 async def test_fuzzed_signed_requests_never_yield_a_5xx_and_replay_consistently(
-    client: httpx.AsyncClient,
+    keyed_client: httpx.AsyncClient,
     scheme: str,
     key: str,
     body: bytes,
+    keyed: bool,
     skew_s: int,
     tamper: bool,
     content_type: str,
+    extra: list[tuple[bytes, bytes]],
 ) -> None:
-    """Correctly signed requests with odd keys, bodies and clocks: 2xx/4xx, and a repeat of
-    any request gets the same status (and for a 202 the same body)."""
+    """Correctly signed requests with odd keys, bodies, clocks and headers: 2xx/4xx, never a
+    401 when fresh and untampered, and a repeat gets the same status (for a 202 the same
+    body). Header values go out as the sender's UTF-8 bytes."""
     at = time.time() + skew_s
+    if scheme == "ledger" and keyed:
+        body = json.dumps({"id": key, "n": body.decode("latin-1")}).encode()
     if scheme == "github":
         headers = github_request(body, key)
     elif scheme == "stripe":
@@ -568,19 +655,21 @@ async def test_fuzzed_signed_requests_never_yield_a_5xx_and_replay_consistently(
     else:
         headers = orders_request(key)
     headers["Content-Type"] = content_type
-    raw = [(k.encode(), v.encode("utf-8")) for k, v in headers.items()]
+    raw = [(k.encode(), v.encode("utf-8")) for k, v in headers.items()] + extra
     sent = body + b"!" if tamper else body
 
     async def send() -> httpx.Response:
-        request = client.build_request("POST", f"/webhooks/{scheme}", content=sent)
-        for name, value in raw:
-            request.headers[name.decode()] = value.decode("latin-1")
-        return await client.send(request)
+        request = keyed_client.build_request(
+            "POST", f"/webhooks/{scheme}", content=sent, headers=raw
+        )
+        return await keyed_client.send(request)
 
     first, second = await send(), await send()
     event(f"status {first.status_code} then {second.status_code}")
     for response in (first, second):
         assert response.status_code < 500, (response.status_code, response.text)
+    if not tamper and abs(skew_s) < 300:
+        assert first.status_code != 401, first.text  # signed right, and fresh
     if first.status_code == 202:
         assert second.status_code in (202, 422)  # 422: the same key came with another body
         if second.status_code == 202:

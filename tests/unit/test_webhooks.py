@@ -142,6 +142,22 @@ def test_a_missing_webhook_id_is_a_missing_key() -> None:
         verify(Headers(headers), SW_BODY)
 
 
+def test_a_non_ascii_webhook_id_verifies_on_the_bytes_the_sender_signed() -> None:
+    """The sender signs the id's UTF-8 bytes; an ASGI server hands them over as latin-1 text,
+    which is turned back into the same bytes (not re-encoded as UTF-8)."""
+    verify = standard_webhooks(secret=SW_SECRET, clock=lambda: SW_TIMESTAMP)
+    msg_id = "msg_ключ_é"
+    signature = sw_sign(SW_SECRET, msg_id, SW_TIMESTAMP, SW_BODY)
+    as_served = msg_id.encode().decode("latin-1")  # what Starlette's request.headers holds
+    headers = {"webhook-timestamp": str(SW_TIMESTAMP), "webhook-signature": signature}
+    verified = verify(Headers({**headers, "webhook-id": as_served}), SW_BODY)
+    assert verified.key == as_served
+    # A caller's own str that never went through latin-1 is taken as the sender's UTF-8.
+    assert verify(Headers({**headers, "webhook-id": msg_id}), SW_BODY).key == msg_id
+    with pytest.raises(VerificationFailed):
+        verify(Headers({**headers, "webhook-id": as_served + "x"}), SW_BODY)
+
+
 def test_a_secret_that_is_not_base64_is_a_configuration_error() -> None:
     """check() says so when the receiver starts."""
     with pytest.raises(ConfigurationError, match="base64"):
@@ -218,7 +234,10 @@ def test_malformed_stripe_headers_are_unauthenticated(header: str) -> None:
         )
 
 
-@pytest.mark.parametrize("body", [b"not json", b"[]", b'{"id": 5}', b'{"type": "x"}'])
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b"[]", b'{"id": 5}', b'{"type": "x"}', b"[" * 100_000, b'{"a":' * 100_000],
+)
 def test_a_signed_stripe_body_without_a_string_id_is_a_missing_key(body: bytes) -> None:
     """The signature is right but there is no event id to dedupe on."""
     headers = Headers({"Stripe-Signature": stripe_header(NOW, body, STRIPE_SECRET)})
@@ -320,6 +339,18 @@ def test_a_key_spec_on_the_source_overrides_the_verifiers_key() -> None:
         source.identify(headers, b"not json")
 
 
+@pytest.mark.parametrize("depth", [1_000, 100_000, 500_000])
+def test_json_nested_too_deep_to_read_is_a_missing_key_not_a_crash(depth: int) -> None:
+    """A body path on a body deeper than the interpreter's stack finds no key (400)."""
+    source = App("shop").webhook(
+        "orders", verify=api_key({"s": "acme"}), channel="orders", key="body:id"
+    )
+    headers = Headers({"X-API-Key": "s"})
+    for body in (b"[" * depth, b'{"id":' * depth + b'"k"' + b"}" * depth):
+        with pytest.raises(KeyMissing, match="body:id"):
+            source.identify(headers, body)
+
+
 def test_keys_too_long_for_a_message_id_are_refused() -> None:
     """The scoped key must fit an AMQP short string."""
     app = App("shop")
@@ -369,3 +400,28 @@ def test_content_types_accept_json_suffixes_and_refuse_others() -> None:
     assert not source.accepts("text/plain")
     assert not source.accepts(None)
     assert not source.accepts("")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json; p=" + "x" * 236,  # 256 bytes
+        "application/json; " + "x" * 1000,
+        "application/json; charset=\xe9",  # latin-1 text of a non-ASCII byte
+        "application/json; charset=\u043a",
+        "application/json;\x00",
+        "application/json\x7f",
+    ],
+)
+def test_a_content_type_no_broker_can_carry_is_refused_even_by_a_catch_all(
+    content_type: str,
+) -> None:
+    """Over 255 bytes (AMQP's content_type is a short string) or not visible ASCII: 415."""
+    app = App("a")
+    json_only = app.webhook("gh", verify=github(secret="s"), channel="c")
+    anything = app.webhook("any", verify=github(secret="s"), channel="c", content_types=("*/*",))
+    assert not json_only.accepts(content_type)
+    assert not anything.accepts(content_type)
+    at_the_limit = "application/json; p=" + "x" * 235  # 255 bytes
+    assert json_only.accepts(at_the_limit) and anything.accepts(at_the_limit)
+    assert anything.accepts("application/json;\tcharset=utf-8") and anything.accepts(None)
