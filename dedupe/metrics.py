@@ -246,7 +246,7 @@ class _ReceiverCollector(Collector):
         family = CounterMetricFamily(
             "dedupe_webhook_requests",
             "Webhook requests by outcome (accepted, replayed, conflicts, in_flight, "
-            "unauthenticated, broker_unavailable)",
+            "unauthenticated, broker_unavailable, broker_refused, store_unavailable)",
             labels=["outcome"],
         )
         for outcome, count in sorted(collections.Counter(self.stats).items()):
