@@ -42,7 +42,7 @@ table{border-collapse:collapse;min-width:40em}th,td{padding:.3em .8em;text-align
 border-bottom:1px solid #ddd}th{background:#f4f4f4}td.n{text-align:right}
 .flash{background:#e8f5e9;padding:.5em 1em;border-left:4px solid #43a047}
 .error{background:#fdecea;border-left-color:#e53935}.muted{color:#777}
-button{cursor:pointer}
+button{cursor:pointer}#recent td:nth-child(-n+4){white-space:nowrap}
 """
 
 
@@ -52,7 +52,7 @@ def _e(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.1f}"
     if hasattr(value, "isoformat"):
-        return html.escape(value.isoformat(timespec="seconds"))
+        return html.escape(value.isoformat(sep=" ", timespec="seconds"))
     text = str(value)
     return html.escape(text if len(text) <= 120 else text[:117] + "...")
 
