@@ -1,0 +1,208 @@
+"""A verified webhook request's way through the claims table and the broker: claim its key,
+publish with confirms, store the reply; or, for a key held elsewhere, replay the stored reply,
+refuse another body, or ask the sender to come back. A failed publish gives the key back."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+
+from starlette.responses import Response
+
+from consumers.receiver_limits import too_large_for_broker
+from consumers.receiver_replies import Reply, accepted, in_flight, problem, unavailable
+from dedupe.activity import Activity
+from dedupe.metrics import Metrics
+from dedupe.store import Claim, ClaimRequest, ClaimStore, Fence
+from dedupe.transport import Publisher
+from dedupe.webhooks import Identity, WebhookSource
+
+# Every line the receiver logs comes from one logger, whichever module writes it: operators
+# and the tests select the receiver's lines by this name.
+logger = logging.getLogger("consumers.receiver")
+
+RECLAIM_TRIES = 3
+
+
+def log_fields(source: WebhookSource, identity: Identity | None, outcome: str) -> dict[str, str]:
+    """The `extra=` of a log line about one request (dedupe.logs prints only these)."""
+    fields = {"source": source.name, "channel": source.channel, "outcome": outcome}
+    if identity is not None:
+        fields.update(scope=identity.scope, key=identity.key, message_id=identity.message_id)
+    return fields
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """The receiver's open store and publisher, taking one request from claim to reply."""
+
+    store: ClaimStore
+    publisher: Publisher
+    activity: Activity | None
+    stats: collections.Counter[str]
+    metrics: Metrics
+    publish_timeout_s: float
+    store_timeout_s: float
+
+    async def claim(
+        self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
+    ) -> Response:
+        """Claim the key and publish, or answer for the claim someone else holds."""
+        request = ClaimRequest(identity.scope, identity.key, hashlib.sha256(body).digest())
+        for _ in range(RECLAIM_TRIES):
+            started = time.perf_counter()
+            try:
+                async with asyncio.timeout(self.store_timeout_s):
+                    [claim] = await self.store.claim_batch(
+                        [request], lease_s=source.lease_s, retention_s=source.retention_s
+                    )
+            except Exception as exc:
+                # StoreError, our timeout, or whatever else the driver raised: an outage of
+                # ours. A claim that committed just as the timeout struck lapses with its lease.
+                self.stats["store_unavailable"] += 1
+                logger.warning(
+                    "webhook %s: claiming key %s failed (%s: %s)",
+                    source.name,
+                    identity.key,
+                    exc.__class__.__name__,
+                    exc,
+                    extra=log_fields(source, identity, "store_unavailable"),
+                )
+                return unavailable("store-unavailable", "the claim store is unavailable")
+            self.metrics.claimed(source.scope, time.perf_counter() - started, 1)
+            if claim.owned:
+                return await self._publish(source, identity, claim, forward, body)
+            if claim.status is not None:
+                return self._answer_for(source, identity, claim)
+            # The row vanished between our insert and our look (clean-up): claim again.
+        return in_flight()
+
+    def _answer_for(self, source: WebhookSource, identity: Identity, claim: Claim) -> Response:
+        """The reply to a key we do not own: replay, conflict or come back later."""
+        if claim.same_payload is False:
+            self.stats["conflicts"] += 1
+            if self.activity is not None:
+                self.activity.conflict(claim.scope, claim.key, "webhook body differs: 422")
+            logger.info(
+                "webhook %s: key %s reused with another body: 422",
+                source.name,
+                claim.key,
+                extra=log_fields(source, identity, "conflict"),
+            )
+            return problem(
+                422,
+                "key-conflict",
+                "Idempotency key reused",
+                "this idempotency key was used with another body; use a new key",
+            )
+        if claim.status == "in_progress":
+            self.stats["in_flight"] += 1
+            return in_flight()
+        stored = Reply.from_result(claim.result)
+        if stored is None:
+            # A completed key of this scope without a stored reply was not completed by a
+            # receiver; the publish happened once, so answer as the publish would have.
+            stored = accepted(source, identity)
+        self.stats["replayed"] += 1
+        if self.activity is not None:
+            self.activity.duplicate(claim.scope)
+        logger.debug(
+            "webhook %s: replayed key %s",
+            source.name,
+            claim.key,
+            extra=log_fields(source, identity, "replayed"),
+        )
+        return stored.response(replayed=True)
+
+    async def _publish(
+        self,
+        source: WebhookSource,
+        identity: Identity,
+        claim: Claim,
+        forward: dict[str, str],
+        body: bytes,
+    ) -> Response:
+        assert claim.token is not None
+        fence = Fence(claim.scope, claim.key, claim.token)
+        try:
+            async with asyncio.timeout(self.publish_timeout_s):
+                await self.publisher.publish(
+                    source.channel, body, message_id=identity.message_id, headers=forward
+                )
+        except asyncio.CancelledError:
+            await asyncio.shield(self._give_back(fence))
+            raise
+        except Exception as exc:
+            await self._give_back(fence)
+            if too_large_for_broker(exc):
+                self.stats["broker_refused"] += 1
+                logger.info(
+                    "webhook %s: the broker refused key %s for its size (%s): 413",
+                    source.name,
+                    claim.key,
+                    exc.__class__.__name__,
+                    extra=log_fields(source, identity, "broker_refused"),
+                )
+                return problem(
+                    413,
+                    "payload-too-large",
+                    "Payload too large",
+                    "the broker refuses a message this large (body and headers)",
+                )
+            self.stats["broker_unavailable"] += 1
+            logger.warning(
+                "webhook %s: publishing to %s failed (%s: %s); key %s released for the "
+                "sender's retry",
+                source.name,
+                source.channel,
+                exc.__class__.__name__,
+                exc,
+                claim.key,
+                extra=log_fields(source, identity, "broker_unavailable"),
+            )
+            return unavailable("broker-unavailable", "the broker did not confirm the message")
+        reply = accepted(source, identity)
+        try:
+            async with asyncio.timeout(self.store_timeout_s):
+                await self.store.complete([(fence, reply.to_result(), source.retention_s)])
+        except Exception as exc:
+            # The message is on the broker: accepted is the truth. A retry after the lease
+            # publishes it again under the same message id, and the worker dedupes that.
+            logger.warning(
+                "webhook %s: key %s published but its reply was not stored (%s: %s)",
+                source.name,
+                claim.key,
+                exc.__class__.__name__,
+                exc,
+                extra=log_fields(source, identity, "reply_not_stored"),
+            )
+        self.stats["accepted"] += 1
+        logger.debug(
+            "webhook %s: accepted key %s -> %s",
+            source.name,
+            claim.key,
+            source.channel,
+            extra=log_fields(source, identity, "accepted"),
+        )
+        return reply.response()
+
+    async def _give_back(self, fence: Fence) -> None:
+        """Release the key at once, so the sender's retry takes it over without waiting."""
+        try:
+            async with asyncio.timeout(self.store_timeout_s):
+                await self.store.give_back(fence)
+        except Exception as exc:
+            logger.warning(
+                "could not release key %s (%s: %s); its lease expires",
+                fence.key,
+                exc.__class__.__name__,
+                exc,
+                extra={"scope": fence.scope, "key": fence.key, "outcome": "not_released"},
+            )
+
+
+__all__ = ["RECLAIM_TRIES", "Intake", "log_fields"]

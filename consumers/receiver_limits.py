@@ -1,0 +1,148 @@
+"""What of a webhook request goes on to the broker, and how much of it: the body, read up to a
+limit; the headers, minus credentials and hop-by-hop ones, under a bound of their own; and the
+broker's own limit on a whole message."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from collections.abc import Mapping
+
+from starlette.requests import Request
+
+from dedupe.webhooks import MAX_MESSAGE_ID_BYTES, Identity, WebhookSource
+
+# Forwarded headers are counted as HTTP/2 counts a header list (name + value + 32 bytes
+# each); the bound keeps an AMQP header frame far under RabbitMQ's frame_max (128 KiB).
+MAX_FORWARDED_HEADER_BYTES = 32 * 1024
+# What a message needs besides its body where the broker limits a message's size (Kafka's
+# max_request_size): the forwarded headers, the message id as record key and as header,
+# and the record batch's own fields.
+MESSAGE_OVERHEAD_BYTES = MAX_FORWARDED_HEADER_BYTES + 2 * (MAX_MESSAGE_ID_BYTES + 32) + 512
+# A broker limit that leaves less than this for a body is a configuration mistake.
+MIN_BODY_LIMIT_BYTES = 64 * 1024
+# Decimal digits only (str.isdigit() also takes "²"), and few enough for a 64-bit size.
+_CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
+# The broker refuses the message itself (aiokafka, client- or broker-side): the same request
+# fails every time, so it is the client's 413, not a 503 to retry.
+_TOO_LARGE_FOR_BROKER = frozenset({"MessageSizeTooLargeError", "RecordTooLargeError"})
+
+# Headers that are never forwarded to the broker: hop-by-hop ones, credentials and
+# signatures (a handler has no use for them and they must not sit in a queue), and the
+# ones the transports and this receiver set themselves.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "content-length",
+        "expect",
+        "host",
+        "keep-alive",
+        "message-id",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_CREDENTIAL = re.compile(
+    r"auth|cookie|signature|secret|token|password|passwd|api[-_]?key|credential|^x-dedupe-", re.I
+)
+SOURCE_HEADER = "x-dedupe-webhook-source"
+TENANT_HEADER = "x-dedupe-webhook-tenant"
+WEBHOOK_KEY_HEADER = "x-dedupe-webhook-key"
+
+
+def forwarded_headers(
+    headers: Mapping[str, str], source: WebhookSource, identity: Identity
+) -> dict[str, str]:
+    """The request's headers minus credentials and hop-by-hop ones, plus the webhook's own."""
+    forward = {
+        name.lower(): value
+        for name, value in headers.items()
+        if name.lower() not in _HOP_BY_HOP and not _CREDENTIAL.search(name)
+    }
+    forward[SOURCE_HEADER] = source.name
+    forward[WEBHOOK_KEY_HEADER] = identity.key
+    if identity.tenant is not None:
+        forward[TENANT_HEADER] = identity.tenant
+    return forward
+
+
+def header_list_bytes(headers: Mapping[str, str]) -> int:
+    """The size of a header list as HTTP/2 counts it: UTF-8 name + value + 32 per header."""
+    return sum(len(name.encode()) + len(value.encode()) + 32 for name, value in headers.items())
+
+
+def message_limit(publisher: object) -> int | None:
+    """The largest message (body, key and headers) `publisher` can send; None: no known limit.
+
+    A publisher says so with a `max_message_bytes` attribute; KafkaPublisher keeps aiokafka's
+    default max_request_size.
+    """
+    limit = getattr(publisher, "max_message_bytes", None)
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        return limit
+    # Only look when the Kafka module is loaded: otherwise the publisher cannot be one of its.
+    kafka = sys.modules.get("consumers.kafka_clients")
+    if kafka is not None and isinstance(publisher, kafka.KafkaPublisher):
+        from aiokafka import AIOKafkaProducer
+
+        default = inspect.signature(AIOKafkaProducer).parameters["max_request_size"].default
+        return int(default)
+    return None
+
+
+def too_large_for_broker(exc: BaseException) -> bool:
+    cause: BaseException | None = exc
+    for _ in range(8):  # the publisher's wrapper, the driver's error and its cause
+        if cause is None:
+            return False
+        if any(cls.__name__ in _TOO_LARGE_FOR_BROKER for cls in type(cause).__mro__):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BadContentLength(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused (before it is all read) once it is over `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not _CONTENT_LENGTH.fullmatch(declared):
+            raise BadContentLength
+        if int(declared) > limit:
+            raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+__all__ = [
+    "MAX_FORWARDED_HEADER_BYTES",
+    "MESSAGE_OVERHEAD_BYTES",
+    "MIN_BODY_LIMIT_BYTES",
+    "SOURCE_HEADER",
+    "TENANT_HEADER",
+    "WEBHOOK_KEY_HEADER",
+    "BadContentLength",
+    "BodyTooLarge",
+    "forwarded_headers",
+    "header_list_bytes",
+    "message_limit",
+    "read_body",
+    "too_large_for_broker",
+]
