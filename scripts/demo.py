@@ -234,7 +234,10 @@ async def run(args: argparse.Namespace) -> int:
     db = await asyncpg.connect(demo_url())
     try:
         deadline = time.monotonic() + args.timeout_s
-        while await db.fetchval("SELECT count(*) FROM charges") < args.kill_after:
+        first_charge: float | None = None  # the workers' start-up is not throughput
+        while (charged := await db.fetchval("SELECT count(*) FROM charges")) < args.kill_after:
+            if charged and first_charge is None:
+                first_charge = time.monotonic()
             if time.monotonic() > deadline:
                 say("timed out before the crash point; see the worker logs")
                 return 1
@@ -335,8 +338,9 @@ async def run(args: argparse.Namespace) -> int:
         ("crash", f"worker 0 SIGKILLed at {killed_at} charges and restarted"),
         (
             "throughput",
-            f"{killed_at / (crashed - began):.0f} charges/s over two workers until the crash"
-            f" ({killed_at} in {crashed - began:.1f} s)",
+            f"{killed_at / (crashed - (first_charge or began)):.0f} charges/s over two workers"
+            f" from the first charge to the crash ({killed_at} in"
+            f" {crashed - (first_charge or began):.1f} s)",
         ),
         (
             "recovery",
@@ -375,7 +379,7 @@ def main() -> int:
     parser.add_argument("--conflicts", type=int, default=10)
     parser.add_argument("--invalid", type=int, default=5)
     parser.add_argument("--poison", type=int, default=5)
-    parser.add_argument("--kill-after", type=int, default=200, help="charges before the SIGKILL")
+    parser.add_argument("--kill-after", type=int, default=340, help="charges before the SIGKILL")
     parser.add_argument("--timeout-s", type=float, default=180)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
