@@ -53,7 +53,7 @@ def workload(
 ) -> list[tuple[bytes, dict[str, Any], str | None]]:
     """Valid payments and their duplicates shuffled, then the conflicts and the bad ones."""
     rng = random.Random(seed)
-    valid = [
+    valid: list[tuple[bytes, dict[str, Any], str | None]] = [
         (
             json.dumps(
                 {"payment_id": f"pay-{i:05d}", "customer": f"cus-{i % 37}", "amount_cents": 100 + i}
@@ -134,10 +134,8 @@ def make_broker(kind: str) -> Any:
     if kind == "rabbitmq":
         return Rabbit()
     if kind == "kafka":
-        try:
-            from scripts.demo_kafka import Kafka  # type: ignore[import-not-found]
-        except ImportError:
-            sys.exit("demo: the Kafka demo is not available in this version")
+        from scripts.demo_kafka import Kafka
+
         return Kafka(KAFKA_URL, CHANNEL)
     sys.exit(f"demo: unknown broker {kind!r} (rabbitmq or kafka)")
 
