@@ -115,10 +115,12 @@ async def test_a_completed_key_is_never_released(db_url: str, claims: object) ->
 async def test_destructive_commands_ask_for_confirmation_unless_yes(
     db_url: str, claims: asyncpg.Connection
 ) -> None:
-    """Without --yes and without a terminal, release and purge do nothing and say why."""
+    """Without --yes and without a terminal, release, purge and dlq replay do nothing and say
+    why."""
     for args in (
         ("claims", "release", "adm.work", "j-stuck"),
         ("claims", "purge", "--older-than-s", "0"),
+        ("dlq", "replay", "adm-nothing-here"),
     ):
         done = await cli(db_url, *args)
         assert done.returncode == 1
