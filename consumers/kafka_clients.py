@@ -61,6 +61,9 @@ class KafkaOptions:
     heartbeat_interval_ms: int = 1_000
     max_poll_interval_ms: int = 300_000
     fetch_max_wait_ms: int = 100
+    # The largest request the producer sends (aiokafka's max_request_size): caps dead letters
+    # and the receiver's messages. Raise it with the topic's max.message.bytes.
+    max_request_size: int = 1_048_576
 
     @classmethod
     def from_url(cls, url: str, **defaults: Any) -> KafkaOptions:
@@ -155,6 +158,7 @@ def idempotent_producer(options: KafkaOptions) -> AIOKafkaProducer:
         enable_idempotence=True,
         acks="all",
         linger_ms=1,
+        max_request_size=options.max_request_size,
     )
 
 
@@ -171,6 +175,8 @@ class KafkaPublisher:
 
     def __init__(self, url: str, **options: Any) -> None:
         self.options = KafkaOptions.from_url(url, **options)
+        # The receiver fits its body limit under this (consumers.receiver_limits).
+        self.max_message_bytes = self.options.max_request_size
         self._producer: AIOKafkaProducer | None = None
         self._topics: set[str] = set()
         self._lock = asyncio.Lock()

@@ -121,7 +121,8 @@ class Receiver:
             raise ConfigurationError(
                 f"the publisher takes messages of at most {limit} bytes, which leaves {room} "
                 f"bytes for a body next to up to {MESSAGE_OVERHEAD_BYTES} bytes of headers and "
-                f"key; raise the broker's message size limit (Kafka: max_request_size)"
+                f"key; raise the broker's message size limit (Kafka: ?max_request_size= in the "
+                "broker URL, with the topics' max.message.bytes)"
             )
         self.message_limit = limit
         for source in self.app.webhooks.values():

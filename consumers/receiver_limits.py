@@ -4,9 +4,7 @@ broker's own limit on a whole message."""
 
 from __future__ import annotations
 
-import inspect
 import re
-import sys
 from collections.abc import Mapping
 
 from starlette.requests import Request
@@ -78,19 +76,12 @@ def header_list_bytes(headers: Mapping[str, str]) -> int:
 def message_limit(publisher: object) -> int | None:
     """The largest message (body, key and headers) `publisher` can send; None: no known limit.
 
-    A publisher says so with a `max_message_bytes` attribute; KafkaPublisher keeps aiokafka's
-    default max_request_size.
+    A publisher says so with a `max_message_bytes` attribute (KafkaPublisher: its
+    `max_request_size`, from the broker URL).
     """
     limit = getattr(publisher, "max_message_bytes", None)
     if isinstance(limit, int) and not isinstance(limit, bool):
         return limit
-    # Only look when the Kafka module is loaded: otherwise the publisher cannot be one of its.
-    kafka = sys.modules.get("consumers.kafka_clients")
-    if kafka is not None and isinstance(publisher, kafka.KafkaPublisher):
-        from aiokafka import AIOKafkaProducer
-
-        default = inspect.signature(AIOKafkaProducer).parameters["max_request_size"].default
-        return int(default)
     return None
 
 

@@ -66,6 +66,9 @@ KAFKA_MEANING = {
     "(`max.poll.interval.ms`); the worker keeps polling while handlers run",
     "fetch_max_wait_ms": "how long the broker may hold a fetch to fill it "
     "(`fetch.max.wait.ms`): latency against batch size",
+    "max_request_size": "the largest request the producer sends (`max.request.size`): caps "
+    "dead letters and the receiver's messages (its body limit is fitted under it); raise it "
+    "together with the topics' `max.message.bytes`",
 }
 
 # Defaults `run` gives the Kafka transport instead of KafkaOptions' own (consumers.kafka:

@@ -181,7 +181,27 @@ class OverconfidentKafkaPublisher(KafkaPublisher):
     """Claims a larger message limit than its producer has (as when the broker's own limit
     is below the client's): the producer refuses the message itself."""
 
-    max_message_bytes = 4 * 1024 * 1024
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.max_message_bytes = 4 * 1024 * 1024
+
+
+async def test_max_request_size_in_the_kafka_url_raises_the_receivers_body_limit(
+    kafka_app: App, store: ClaimStore, kafka_url: str
+) -> None:
+    """?max_request_size= sets the producer's limit, and the receiver fits bodies under it."""
+    source = kafka_app.webhooks["github"]
+    for size, expected in ((1_048_576, None), (4 * 1_048_576, source.max_body_bytes)):
+        kafka = KafkaPublisher(f"{kafka_url}?max_request_size={size}")
+        try:
+            receiver = create_receiver(kafka_app, store=store, publisher=kafka)
+            limit = receiver.state.receiver.body_limit(source)
+            if expected is None:
+                assert limit < source.max_body_bytes  # lowered to fit 1 MiB requests
+            else:
+                assert limit == expected  # 4 MiB requests: the source's own limit holds
+        finally:
+            await kafka.close()
 
 
 async def test_a_message_the_broker_refuses_for_its_size_is_a_413_and_its_key_is_released(
