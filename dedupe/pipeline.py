@@ -586,8 +586,8 @@ class Processor:
         # A take-over means a worker died holding this key. Its first run here happens alone
         # and is counted just before it starts, so that if this message is what kills workers,
         # only it is charged for the crash, not the messages that were claimed beside it.
-        # A key handed back by a worker that stopped (or released by an operator) is counted
-        # the same way but need not run alone: no crash is in its history.
+        # A key handed back by a worker that stopped is counted the same way but need not
+        # run alone: no crash is in its history.
         run = _Run(
             fence=fence,
             lease_s=handler.lease_s,

@@ -67,7 +67,7 @@ class Claim:
     token: int | None
     attempts: int
     taken_over: bool = False  # re-claimed from a worker whose lease lapsed (it died)
-    handed_back: bool = False  # re-claimed after a graceful give-back or an operator's release
+    handed_back: bool = False  # re-claimed after a worker handed it back at a graceful stop
     status: str | None = None
     same_payload: bool | None = None
     lease_live: bool | None = None

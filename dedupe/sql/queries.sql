@@ -33,12 +33,12 @@ SELECT i.scope, i.key, cl.token, cl.attempts,
        e.status, e.payload_hash = i.payload_hash AS same_payload,
        e.lease_until > now() AS lease_live, e.result::text AS result, e.error,
        e.attempts AS existing_attempts, e.dead_lettered_at IS NOT NULL AS dead_lettered,
-       -- A re-claim of a key its worker handed back (graceful shutdown, an operator's
-       -- release), not of a dead worker's lapsed lease. The main query reads the rows as
-       -- they were before this statement; only re-claims (rare) look.
+       -- A re-claim of a key its worker handed back at a graceful stop (give_back), not of
+       -- a dead worker's lapsed lease. The main query reads the rows as they were before
+       -- this statement; only re-claims (rare) look.
        CASE WHEN cl.token > 1 THEN
-           (SELECT b.status = 'in_progress' AND b.retryable FROM dedupe_claims b
-             WHERE b.scope = i.scope AND b.key = i.key)
+           (SELECT b.status = 'in_progress' AND b.error IS NOT DISTINCT FROM 'handed back'
+              FROM dedupe_claims b WHERE b.scope = i.scope AND b.key = i.key)
        END AS handed_back
 FROM input i
 LEFT JOIN claimed cl ON cl.scope = i.scope AND cl.key = i.key
@@ -93,9 +93,10 @@ UPDATE dedupe_claims AS c
 
 -- name: give_back
 -- Graceful shutdown: hand the key back at once and do not count the interrupted attempt.
--- `retryable` marks it handed back: its next run need not wait as a dead worker's key does.
+-- The error 'handed back' marks it (claim_batch reads it): its next run need not wait
+-- alone as a dead worker's key does. The next claim clears it.
 UPDATE dedupe_claims
-   SET lease_until = now(), attempts = greatest(attempts - 1, 0), retryable = true,
+   SET lease_until = now(), attempts = greatest(attempts - 1, 0), error = 'handed back',
        updated_at = now()
  WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
 RETURNING 1;

@@ -452,8 +452,11 @@ async def test_keys_handed_back_at_a_graceful_stop_run_side_by_side_on_the_next_
         assert await process(second, *again) == [Action.ACK] * 4
     assert peak[0] == 4
     assert [json.loads(d.settlements[-1].result or "0") for d in again] == [1] * 4
-    rows = await db.fetch("SELECT attempts, status FROM dedupe_claims")
-    assert {(r["attempts"], r["status"]) for r in rows} == {(1, "completed")}
+    rows = await db.fetch("SELECT attempts, status, error FROM dedupe_claims")
+    assert {(r["attempts"], r["status"], r["error"]) for r in rows} == {(1, "completed", None)}
+    # The history says what happened: no operator released anything.
+    events = await db.fetch("SELECT DISTINCT event FROM dedupe_claim_events")
+    assert {r["event"] for r in events} == {"taken_over", "attempt"}
 
 
 async def test_released_failed_keys_run_again(store: ClaimStore) -> None:
