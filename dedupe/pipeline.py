@@ -75,6 +75,8 @@ class _Run:
     attempt: int  # the attempt number the claim store counts for this key
     isolate: asyncio.Lock | None = None  # held for the first run after a take-over
     recount: bool = False  # a re-claimed key: count its attempt just before it starts
+    counted: bool = True  # this run's attempt is counted in the claims table
+    taken_over: bool = False  # a dead worker's key: a crash is in its history
     lost: bool = False
     stopping: bool = False
     completing: bool = False
@@ -595,6 +597,8 @@ class Processor:
             attempt=claim.attempts,
             isolate=self._isolation if claim.taken_over else None,
             recount=claim.taken_over or claim.handed_back,
+            counted=not (claim.taken_over or claim.handed_back),
+            taken_over=claim.taken_over,
         )
         self._runs[(fence.scope, fence.key)] = run
         if claim.taken_over:
@@ -615,7 +619,7 @@ class Processor:
                     "lease lost to another worker; this run's writes were rolled back"
                 )
                 return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
-            await self._give_back(fence)
+            await self._give_back(run)
             return Settlement(Action.REQUEUE, detail="worker stopping")
         finally:
             self._runs.pop((fence.scope, fence.key), None)
@@ -709,6 +713,7 @@ class Processor:
                 async with self._slots:
                     if recount:
                         await self._count_take_over(handler, run)
+                        run.counted = True
                     if self._hooks["claimed"]:
                         await self._run_hooks("claimed", message, fence)
                     if db is None:
@@ -806,9 +811,13 @@ class Processor:
             return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
         return _dead_letter(reason, detail, fence, failed_claim=True)
 
-    async def _give_back(self, fence: Fence) -> None:
+    async def _give_back(self, run: _Run) -> None:
+        """Hand the key back at a graceful stop. The interrupted attempt is uncounted only if
+        it was counted; a dead worker's key whose run never finished keeps its crash history
+        (not marked handed back), so its next run still happens alone."""
+        fence = run.fence
         try:
-            await self.store.give_back(fence)
+            await self.store.give_back(fence, uncount=run.counted, handed_back=not run.taken_over)
         except StoreError as exc:
             logger.warning("could not give back %s/%s: %s", fence.scope, fence.key, exc)
 

@@ -237,9 +237,15 @@ class ClaimStore:
                 "mark_dead_lettered", [scope for scope, _ in keys], [key for _, key in keys]
             )
 
-    async def give_back(self, fence: Fence) -> bool:
-        """Release our lease at once (graceful shutdown)."""
-        rows = await self._fetch("give_back", fence.scope, fence.key, fence.token)
+    async def give_back(
+        self, fence: Fence, *, uncount: bool = True, handed_back: bool = True
+    ) -> bool:
+        """Release our lease at once (graceful shutdown); `uncount` takes back the attempt
+        counted for the interrupted run, `handed_back` marks the key as given back (its next
+        run need not wait alone as a dead worker's key does)."""
+        rows = await self._fetch(
+            "give_back", fence.scope, fence.key, fence.token, uncount, handed_back
+        )
         return bool(rows)
 
     # -- operations ----------------------------------------------------------------------

@@ -92,12 +92,14 @@ UPDATE dedupe_claims AS c
    AND c.dead_lettered_at IS NULL;
 
 -- name: give_back
--- Graceful shutdown: hand the key back at once and do not count the interrupted attempt.
--- The error 'handed back' marks it (claim_batch reads it): its next run need not wait
--- alone as a dead worker's key does. The next claim clears it.
+-- Graceful shutdown: hand the key back at once; $4: take back the interrupted attempt
+-- (only if it was counted). $5: mark it with the error 'handed back' (claim_batch reads
+-- it), so its next run need not wait alone as a dead worker's key does; not for a dead
+-- worker's key whose run never finished. The next claim clears it.
 UPDATE dedupe_claims
-   SET lease_until = now(), attempts = greatest(attempts - 1, 0), error = 'handed back',
-       updated_at = now()
+   SET lease_until = now(),
+       attempts = CASE WHEN $4 THEN greatest(attempts - 1, 0) ELSE attempts END,
+       error = CASE WHEN $5 THEN 'handed back' ELSE error END, updated_at = now()
  WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
 RETURNING 1;
 

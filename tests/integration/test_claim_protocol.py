@@ -456,7 +456,35 @@ async def test_keys_handed_back_at_a_graceful_stop_run_side_by_side_on_the_next_
     assert {(r["attempts"], r["status"], r["error"]) for r in rows} == {(1, "completed", None)}
     # The history says what happened: no operator released anything.
     events = await db.fetch("SELECT DISTINCT event FROM dedupe_claim_events")
-    assert {r["event"] for r in events} == {"taken_over", "attempt"}
+    assert {r["event"] for r in events} == {"handed_back", "attempt"}
+
+
+async def test_a_graceful_stop_keeps_a_dead_workers_keys_take_overs_with_their_counts(
+    store: ClaimStore, second_store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A dead worker's keys, taken over here and stopped gracefully before they finished, stay
+    take-overs (their next run is still alone: the crash is in their history), and no attempt
+    is taken back that was not counted (the key that waited to run alone never started)."""
+    started = asyncio.Event()
+    app = App("t")
+
+    @app.handler(CH, lease_s=5.0)
+    async def work(payload: Job) -> None:
+        started.set()
+        await asyncio.sleep(30)
+
+    requests = [ClaimRequest("t.work", k, job(k).message.payload_hash) for k in ("k1", "k2")]
+    await second_store.claim_batch(requests, lease_s=0.2, retention_s=3600)  # then it died
+    await asyncio.sleep(0.3)
+    async with Processor(app, store) as processor:
+        task = asyncio.create_task(process(processor, job("k1"), job("k2")))
+        await asyncio.wait_for(started.wait(), 5)  # one runs alone, the other waits its turn
+        await processor.drain(timeout_s=0.1)
+        assert await task == [Action.REQUEUE] * 2
+    rows = await db.fetch("SELECT attempts, error FROM dedupe_claims ORDER BY key")
+    assert [(r["attempts"], r["error"]) for r in rows] == [(1, None), (1, None)]
+    claims = await second_store.claim_batch(requests, lease_s=5, retention_s=3600)
+    assert all(c.owned and c.taken_over and not c.handed_back for c in claims)
 
 
 async def test_released_failed_keys_run_again(store: ClaimStore) -> None:

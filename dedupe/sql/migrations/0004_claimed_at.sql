@@ -4,3 +4,5 @@
 -- replayed days after it failed does not show as days-old work while it runs normally.
 -- Rows that exist when this runs get the migration's time (a constant default: no rewrite).
 ALTER TABLE dedupe_claims ADD COLUMN claimed_at timestamptz NOT NULL DEFAULT now();
+-- Claims in progress keep their age (they are few: the partial index finds them).
+UPDATE dedupe_claims SET claimed_at = created_at WHERE status = 'in_progress';
