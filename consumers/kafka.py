@@ -38,6 +38,8 @@ try:
         IllegalStateError,
         KafkaError,
         KafkaTimeoutError,
+        MessageSizeTooLargeError,
+        RecordTooLargeError,
     )
     from aiokafka.structs import ConsumerRecord, TopicPartition
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -323,9 +325,10 @@ class KafkaTransport(Transport):
     ) -> bool:
         """Write the record to <topic>.dlq with the reason; True once the broker has it.
 
-        A copy the broker can never take (a record near the size limit plus our headers) goes
-        out without its body, with a header saying why; if even that fails, False: the
-        partition holds the message, tries again later and never commits past it.
+        A copy too large for the broker (a record near the size limit plus our headers) goes
+        out without its body, with a header saying why; any other refusal, or a failure of
+        that too, gives False: the partition holds the message, tries again later and never
+        commits past it.
         """
         ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER, BODY_DROPPED_HEADER}  # from an earlier trip
         headers = [(k, v) for k, v in record.headers or () if k not in ours]
@@ -340,6 +343,17 @@ class KafkaTransport(Transport):
             if not await self._write(topic, record.key, record.value, headers, closing):
                 return False
         except KafkaError as exc:
+            if not isinstance(exc, MessageSizeTooLargeError | RecordTooLargeError):
+                # Refused for another reason (a policy, a bad record): keep the body and let
+                # the partition hold the message and try again; an operator can see why.
+                logger.error(
+                    "the dead letter of %s was refused (%s): the message is held and tried "
+                    "again later; its partition commits no further",
+                    where,
+                    exc,
+                    extra=fields,
+                )
+                return False
             size = len(record.value or b"")
             logger.error(
                 "the dead letter of %s cannot be written (%s); writing it without its %d-byte body",

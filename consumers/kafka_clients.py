@@ -88,7 +88,13 @@ class KafkaOptions:
         return options
 
     def check(self) -> None:
-        for name in ("partitions", "batch_max", "max_held", "heartbeat_interval_ms"):
+        for name in (
+            "partitions",
+            "batch_max",
+            "max_held",
+            "heartbeat_interval_ms",
+            "max_request_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"Kafka option {name} must be at least 1")
         if self.commit_interval_s <= 0 or self.revoke_timeout_s < 0:
@@ -409,7 +415,8 @@ async def replay_dead_letters(
     that the claim is claimable again by the time a worker sees it. Interrupted between the
     publish and the commit, the next replay publishes those records again; the claims make the
     second copy a duplicate. A dead letter written without its body cannot run again: it is
-    skipped (and stays in the topic).
+    skipped with a WARNING naming its origin and why the body was dropped; it stays in the
+    topic, but the replay group moves past it, so `dlq list` no longer shows it.
     """
     options = KafkaOptions.from_url(url)
     records = await _pending_dead_letters(options, channel, limit=limit)

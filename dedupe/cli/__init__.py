@@ -24,6 +24,8 @@ from .options import (
     loop_factory,
     make_publisher,
     make_transport,
+    positive_float,
+    positive_int,
     read_environment,
     settings_from,
 )
@@ -191,7 +193,7 @@ def _add_receive(sub: Commands) -> None:
     add_option(
         receive,
         "--pool-size",
-        type=int,
+        type=positive_int,
         default=20,
         metavar="N",
         help="PostgreSQL connections of the receiver",
@@ -199,7 +201,7 @@ def _add_receive(sub: Commands) -> None:
     add_option(
         receive,
         "--store-timeout-s",
-        type=float,
+        type=positive_float,
         default=3.0,
         metavar="S",
         help="longest wait for one claims-table statement in a request; past it the sender "

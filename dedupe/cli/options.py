@@ -96,6 +96,22 @@ def option_variable(prog: str, flag: str) -> str:
     return "DEDUPE_" + "_".join([*words, flag.lstrip("-")]).upper().replace("-", "_")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text}")
+    return value
+
+
 def add_option(
     parser: argparse.ArgumentParser,
     *flags: str,
@@ -169,7 +185,12 @@ def _from_text(action: argparse.Action, marker: FromEnvironment, raw: str) -> An
     try:
         value = convert(raw)
     except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
-        kinds: dict[object, str] = {int: "a whole number", float: "a number"}
+        kinds: dict[object, str] = {
+            int: "a whole number",
+            float: "a number",
+            positive_int: "a whole number of at least 1",
+            positive_float: "a number above 0",
+        }
         kind = kinds.get(convert, "a valid value")
         raise UsageError(f"{marker.variable}={raw!r}: expected {kind}") from exc
     if action.choices is not None and value not in action.choices:

@@ -8,7 +8,15 @@ import pytest
 from pydantic_settings import BaseSettings
 
 from dedupe.cli import build_parser, main
-from dedupe.cli.options import FromEnvironment, UsageError, commands, read_environment, variable_of
+from dedupe.cli.options import (
+    FromEnvironment,
+    UsageError,
+    commands,
+    positive_float,
+    positive_int,
+    read_environment,
+    variable_of,
+)
 from dedupe.settings import Settings
 from tests.conftest import ROOT
 
@@ -67,9 +75,9 @@ def sample(action: argparse.Action) -> tuple[str, object]:
     if action.choices:
         choice = list(action.choices)[-1]
         return str(choice), choice
-    if action.type is int:
+    if action.type in (int, positive_int):
         return "7", 7
-    if action.type is float:
+    if action.type in (float, positive_float):
         return "2.5", 2.5
     return "from-env", "from-env"
 
@@ -116,7 +124,7 @@ def test_the_variable_of_a_command_option_sets_it_and_the_command_line_wins(
     assert getattr(parse(argv, {marker.variable: raw}), action.dest) == expected
     if action.nargs != 0:
         given = [*argv, action.option_strings[0], raw]
-        other = "9" if action.type in (int, float) else raw
+        other = "9" if action.type in (int, float, positive_int, positive_float) else raw
         assert getattr(parse(given, {marker.variable: other}), action.dest) == expected
 
 
@@ -195,3 +203,17 @@ def test_the_docs_and_the_help_name_every_option_that_reads_no_variable() -> Non
             named = option if option == "--yes" else f"{command} {option}"
             assert named in sentence and named in epilog, named
     assert "positional arguments" in sentence and "positional arguments" in epilog
+
+
+def test_sizes_and_timeouts_below_their_minimum_are_usage_errors() -> None:
+    """A pool of 0 connections or a store timeout of 0 s is refused with the variable's name,
+    not a traceback from the driver."""
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["receive", "m:app", "--pool-size", "0"])
+    args = parser.parse_args(["receive", "m:app"])
+    with pytest.raises(UsageError, match="DEDUPE_RECEIVER_POOL_SIZE='0': expected a whole number"):
+        read_environment(parser, args, {"DEDUPE_RECEIVER_POOL_SIZE": "0"})
+    args = parser.parse_args(["receive", "m:app"])
+    with pytest.raises(UsageError, match="DEDUPE_RECEIVER_STORE_TIMEOUT_S='0': expected a number"):
+        read_environment(parser, args, {"DEDUPE_RECEIVER_STORE_TIMEOUT_S": "0"})

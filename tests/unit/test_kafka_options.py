@@ -48,3 +48,8 @@ def test_with_options_adds_query_parameters() -> None:
     url = with_options("kafka://a:9092", group_id="g 1")
     assert url == "kafka://a:9092?group_id=g+1"
     assert KafkaOptions.from_url(with_options(url, partitions=2)).group_id == "g 1"
+
+
+def test_a_request_size_below_one_byte_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="max_request_size must be at least 1"):
+        KafkaOptions.from_url("kafka://127.0.0.1:9092?max_request_size=0").check()

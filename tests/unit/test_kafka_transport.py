@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    MessageSizeTooLargeError,
+    PolicyViolationError,
+)
 
 from consumers.kafka import KafkaTransport
 from consumers.kafka_clients import BODY_DROPPED_HEADER
@@ -125,6 +129,20 @@ async def test_a_dead_letter_that_can_never_be_written_is_refused_loudly_not_ret
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2
     assert "even without its body" in errors[1]
+
+
+async def test_a_dead_letter_refused_for_another_reason_keeps_its_body_and_is_held(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only a size refusal drops the body; a policy or a bad record: one try, one ERROR,
+    False (the partition holds the message and tries again later with its body)."""
+    producer = Producer([PolicyViolationError("not allowed"), None])
+    transport = transport_with(producer)
+    async with asyncio.timeout(1):
+        assert not await transport._send_dead_letter(Record(), DEAD, never_closing)
+    assert [sent["value"] for sent in producer.sent] == [b"x" * 100]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "was refused" in errors[0]
 
 
 async def test_a_revoked_partition_stops_retrying_its_dead_letter() -> None:
