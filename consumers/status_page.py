@@ -7,7 +7,10 @@ stuck keys with a button to release one. Server-rendered HTML, no JavaScript fra
 Mounted by the webhook receiver and served by `dedupe-worker status --serve`. Releasing is
 an operator's action: with a token configured (DEDUPE_STATUS_TOKEN) the page must be opened
 as /status?token=... and every release carries it; without one, only clients on the loopback
-interface may release. A release whose Origin is another site (or "null") is refused, and so
+interface may release (an empty token is no token). Loopback counts only when the Host header
+names this machine too (localhost, 127.x, [::1]: no DNS rebinding) and the request carries
+no X-Forwarded-For or Forwarded header (behind a proxy every client looks local: use the
+token there). A release whose Origin is another site (or "null") is refused, and so
 is one without an Origin when no token protects it (no cross-site forms); the browser asks
 for confirmation first. With `operators_only` (the receiver's port faces the senders), only
 those who may release see the page at all: token holders and loopback clients.
@@ -24,7 +27,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
@@ -35,6 +40,11 @@ from dedupe.store import ClaimStore
 logger = logging.getLogger(__name__)
 
 LOOPBACK = frozenset({"localhost"})
+PROXY_HEADERS = ("forwarded", "x-forwarded-for")
+# A release form holds scope, key and maybe token: anything bigger is not our page's.
+RELEASE_MAX_BYTES = 16 * 1024
+RELEASE_MAX_FIELDS = 8
+RELEASE_MAX_FIELD_BYTES = 4 * 1024
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
 h1{font-size:1.4em}h2{font-size:1.1em;margin-top:2em}
@@ -72,6 +82,30 @@ def is_loopback(host: str | None) -> bool:
     return address.is_loopback
 
 
+def host_name(host: str | None) -> str | None:
+    """The name in a Host header without its port ("[::1]:8000" -> "::1")."""
+    if not host:
+        return None
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, closed, rest = host[1:].partition("]")
+        return name if closed and (not rest or rest.startswith(":")) else None
+    if host.count(":") > 1:
+        return host  # a bare IPv6 literal
+    return host.partition(":")[0]
+
+
+def is_local_request(request: Request) -> bool:
+    """Whether a request is from this machine, to this machine, and not through a proxy."""
+    if any(name in request.headers for name in PROXY_HEADERS):
+        # uvicorn may have taken the client from X-Forwarded-For already; either way a
+        # proxy makes every client look local.
+        return False
+    client = request.client.host if request.client else None
+    # A loopback client naming another host is a browser fooled by DNS rebinding.
+    return is_loopback(client) and is_loopback(host_name(request.headers.get("host")))
+
+
 class StatusPage:
     """The page and its release action over a claim store."""
 
@@ -85,7 +119,7 @@ class StatusPage:
         operators_only: bool = False,
     ) -> None:
         self._store = store
-        self.token = token
+        self.token = token or None  # "" would let in everyone who sends ?token=
         self.title = title
         self.path = path
         self.operators_only = operators_only
@@ -110,14 +144,12 @@ class StatusPage:
     def _may_release(self, request: Request, token: str | None) -> bool:
         if self.token is not None:
             return self._token_matches(token)
-        return is_loopback(request.client.host if request.client else None)
+        return is_local_request(request)
 
     def _may_view(self, request: Request, token: str | None) -> bool:
         if not self.operators_only:
             return True
-        return self._token_matches(token) or is_loopback(
-            request.client.host if request.client else None
-        )
+        return self._token_matches(token) or is_local_request(request)
 
     # -- GET -----------------------------------------------------------------------------
 
@@ -188,15 +220,18 @@ class StatusPage:
         for r in rows:
             button = ""
             if can_release:
-                hidden = f"<input type='hidden' name='token' value='{_e(token)}'>" if token else ""
+                # The token rides in the query so a release is judged before its body is read.
+                action = f"{self.path}/release" + (
+                    f"?{urlencode({'token': token})}" if token else ""
+                )
                 question = html.escape(
                     f"Release {r['scope']}/{r['key']}? The next delivery runs it again.", quote=True
                 )
                 button = (
-                    f"<form method='post' action='{self.path}/release' "
+                    f"<form method='post' action='{html.escape(action, quote=True)}' "
                     f"onsubmit=\"return confirm('{question}')\">"
                     f"<input type='hidden' name='scope' value='{_e(r['scope'])}'>"
-                    f"<input type='hidden' name='key' value='{_e(r['key'])}'>{hidden}"
+                    f"<input type='hidden' name='key' value='{_e(r['key'])}'>"
                     f"<button type='submit' class='release'>release</button></form>"
                 )
             lease = "lapsed" if r["lease_lapsed"] else "live"
@@ -239,13 +274,29 @@ class StatusPage:
         elif origin == "null" or urlsplit(origin).netloc != request.headers.get("host"):
             # "null": a sandboxed frame, a file: page or a redirect from another site.
             return Response("cross-site release refused", status_code=403)
-        form = await request.form()
-        scope, key, token = form.get("scope"), form.get("key"), form.get("token")
-        if not isinstance(scope, str) or not isinstance(key, str):
-            return Response("scope and key are required", status_code=400)
-        token = token if isinstance(token, str) else None
+        # Judge who asks before reading the body when the query says enough: a stranger
+        # must not make us buffer and parse a form.
+        token = request.query_params.get("token")
+        if (self.token is None or token is not None) and not self._may_release(request, token):
+            return Response("releasing needs the status token", status_code=403)
+        length = request.headers.get("content-length", "0")
+        if not (length.isascii() and length.isdigit()):
+            return Response("the release form could not be read", status_code=400)
+        if int(length) > RELEASE_MAX_BYTES:
+            return Response("the release form is too large", status_code=413)
+        try:
+            form = await request.form(
+                max_files=0, max_fields=RELEASE_MAX_FIELDS, max_part_size=RELEASE_MAX_FIELD_BYTES
+            )
+        except (HTTPException, MultiPartException, ClientDisconnect):
+            return Response("the release form could not be read", status_code=400)
+        scope, key, in_form = form.get("scope"), form.get("key"), form.get("token")
+        if token is None and isinstance(in_form, str):
+            token = in_form  # a script may post the token in the form instead
         if not self._may_release(request, token):
             return Response("releasing needs the status token", status_code=403)
+        if not isinstance(scope, str) or not isinstance(key, str):
+            return Response("scope and key are required", status_code=400)
         admin = self._admin()
         if admin is None:
             return Response("not started", status_code=503)

@@ -105,6 +105,20 @@ def _b(text: str) -> bytes:
         return text.encode("utf-8", "replace")
 
 
+def _key_text(text: str | None) -> str | None:
+    """A key header as the sender wrote it: its bytes (see `_b`) read as UTF-8.
+
+    The latin-1 text an ASGI server hands over turns UTF-8 into C1 control characters,
+    which the key check would refuse for good; bytes that are not UTF-8 stay as they came.
+    """
+    if not text:
+        return None
+    try:
+        return _b(text).decode("utf-8")
+    except UnicodeDecodeError:
+        return text
+
+
 def _hmac_sha256(key: bytes, *parts: bytes) -> bytes:
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for part in parts:
@@ -162,7 +176,7 @@ class _StandardWebhooks:
             for candidate in candidates:
                 matched |= hmac.compare_digest(expected, candidate)
             if matched:
-                return Verified(key=msg_id)
+                return Verified(key=_key_text(msg_id))
         raise VerificationFailed("no webhook-signature matches the body")
 
 
@@ -215,7 +229,7 @@ class _GitHub:
         if not matched:
             raise VerificationFailed("X-Hub-Signature-256 does not match the body")
         return Verified(
-            key=headers.get("x-github-delivery") or None, key_from="the X-GitHub-Delivery header"
+            key=_key_text(headers.get("x-github-delivery")), key_from="the X-GitHub-Delivery header"
         )
 
 
@@ -342,7 +356,7 @@ class _ApiKey:
         if tenant is None:
             raise VerificationFailed("the API key is not valid")
         return Verified(
-            key=headers.get(self.key_header) or None,
+            key=_key_text(headers.get(self.key_header)),
             tenant=tenant,
             key_from=f"the {self.key_header} header",
         )

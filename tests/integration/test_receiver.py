@@ -408,6 +408,23 @@ async def test_twenty_simultaneous_identical_requests_publish_once(
     assert (late.status_code, late.content) == (202, fresh[0].content)
 
 
+async def test_a_standard_webhook_with_a_non_ascii_id_is_accepted_under_that_id(
+    client: httpx.AsyncClient, publisher: CountingPublisher
+) -> None:
+    """A webhook-id the sender wrote in UTF-8 verifies and is accepted (202) with that key,
+    not refused as control characters; the same id again is a replay."""
+    body = b'{"invoice":"in-1"}'
+    msg_id = "msg_ключ_é"
+    headers: dict[str, str | bytes] = dict(billing_request(body, msg_id))
+    headers["webhook-id"] = msg_id.encode()  # on the wire as UTF-8 bytes
+    first = await client.post("/webhooks/billing", content=body, headers=headers)
+    assert first.status_code == 202, first.text
+    assert first.json()["key"] == msg_id
+    again = await client.post("/webhooks/billing", content=body, headers=headers)
+    assert (again.status_code, again.headers["idempotent-replayed"]) == (202, "true")
+    assert [m for _, m, _ in publisher.published] == [f"billing/{msg_id}"]
+
+
 async def test_api_keys_scope_idempotency_keys_per_tenant(
     client: httpx.AsyncClient, publisher: CountingPublisher, db: asyncpg.Connection
 ) -> None:

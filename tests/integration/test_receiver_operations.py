@@ -12,8 +12,9 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -35,12 +36,13 @@ from tests.integration.test_receiver import (  # noqa: F401 - fixtures
 )
 
 FORM = {"scope": "shop.charge", "key": "k-1"}
-SAME_SITE = {"origin": "http://receiver"}
+LOCAL = "http://127.0.0.1:8080"
+SAME_SITE = {"origin": LOCAL}
 
 
-def http(asgi: object, client_host: str = "127.0.0.1") -> httpx.AsyncClient:
+def http(asgi: object, client_host: str = "127.0.0.1", base_url: str = LOCAL) -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=asgi, client=(client_host, 40000))  # type: ignore[arg-type]
-    return httpx.AsyncClient(transport=transport, base_url="http://receiver")
+    return httpx.AsyncClient(transport=transport, base_url=base_url)
 
 
 @pytest.fixture
@@ -159,6 +161,154 @@ async def test_with_a_token_a_remote_client_needs_it_to_see_the_page_and_to_rele
         done = await remote.post("/status/release", data={**FORM, "token": "s3cret"})
         assert done.status_code == 303
     assert await released(stuck)
+
+
+async def test_an_empty_status_token_is_no_token(
+    hooks: App,  # noqa: F811
+    store: ClaimStore,
+    publisher: CountingPublisher,  # noqa: F811
+    stuck: asyncpg.Connection,
+) -> None:
+    """status_token="" (an empty DEDUPE_STATUS_TOKEN) protects like no token at all: ?token=
+    opens nothing for a remote client and releases nothing."""
+    receiver = create_receiver(hooks, store=store, publisher=publisher, status_token="")
+    async with http(receiver, "10.1.2.3") as remote:
+        for path in ("/status?token=", "/status"):
+            assert (await remote.get(path)).status_code == 403, path
+        for url, form in (
+            ("/status/release?token=", FORM),
+            ("/status/release", {**FORM, "token": ""}),
+        ):
+            refused = await remote.post(url, data=form, headers=SAME_SITE)
+            assert refused.status_code == 403, url
+    assert not await released(stuck)
+
+
+async def test_a_loopback_client_naming_another_host_needs_the_token(
+    hooks: App,  # noqa: F811
+    store: ClaimStore,
+    publisher: CountingPublisher,  # noqa: F811
+    stuck: asyncpg.Connection,
+) -> None:
+    """DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends Host: evil.example;
+    only localhost, 127.x and [::1] in Host make a loopback client an operator."""
+    receiver = create_receiver(hooks, store=store, publisher=publisher)
+    for base in ("http://localhost:8080", "http://127.0.0.5", "http://[::1]:8080"):
+        async with http(receiver, base_url=base) as local:
+            assert (await local.get("/status")).status_code == 200, base
+    for base in ("http://evil.example:8080", "http://127.0.0.1.evil.example", "http://[::2]"):
+        async with http(receiver, base_url=base) as rebound:
+            page = await rebound.get("/status")
+            assert page.status_code == 403 and "k-1" not in page.text, base
+            refused = await rebound.post("/status/release", data=FORM, headers={"origin": base})
+            assert refused.status_code == 403, base
+    assert not await released(stuck)
+    guarded = create_receiver(hooks, store=store, publisher=publisher, status_token="s3cret")
+    async with http(guarded, base_url="http://evil.example") as rebound:
+        assert (await rebound.get("/status")).status_code == 403
+        assert (await rebound.get("/status?token=s3cret")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "proxy", [{"x-forwarded-for": "127.0.0.1"}, {"forwarded": "for=127.0.0.1"}]
+)
+async def test_a_request_through_a_proxy_is_never_taken_for_loopback(
+    hooks: App,  # noqa: F811
+    store: ClaimStore,
+    publisher: CountingPublisher,  # noqa: F811
+    stuck: asyncpg.Connection,
+    proxy: dict[str, str],
+) -> None:
+    """With X-Forwarded-For or Forwarded the client address is the proxy's word (uvicorn
+    with FORWARDED_ALLOW_IPS='*' takes it as the client): it needs the token."""
+    receiver = create_receiver(hooks, store=store, publisher=publisher)
+    async with http(receiver) as local:
+        assert (await local.get("/status", headers=proxy)).status_code == 403
+        refused = await local.post("/status/release", data=FORM, headers={**SAME_SITE, **proxy})
+        assert refused.status_code == 403
+    assert not await released(stuck)
+
+
+async def test_a_release_is_judged_before_its_form_is_read_and_the_form_is_small(
+    hooks: App,  # noqa: F811
+    store: ClaimStore,
+    publisher: CountingPublisher,  # noqa: F811
+    stuck: asyncpg.Connection,
+) -> None:
+    """A stranger's release is refused without reading its body; a big or broken form is a
+    4xx; a client gone mid-form is a 400, never a 500."""
+    read: list[bytes] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        read.append(b"scope=")
+        yield b"scope="
+        yield b"x" * 10_000_000
+
+    receiver = create_receiver(hooks, store=store, publisher=publisher)
+    async with http(receiver, "10.1.2.3") as remote:
+        refused = await remote.post(
+            "/status/release",
+            content=body(),
+            headers={**SAME_SITE, "content-type": "application/x-www-form-urlencoded"},
+        )
+        assert refused.status_code == 403
+    assert read == []
+
+    guarded = create_receiver(hooks, store=store, publisher=publisher, status_token="s3cret")
+    async with http(guarded, "10.1.2.3") as remote:
+        wrong = await remote.post("/status/release?token=guess", content=body(), headers=SAME_SITE)
+        assert wrong.status_code == 403 and read == []
+        big = await remote.post("/status/release", data={**FORM, "pad": "x" * 20_000})
+        assert big.status_code == 413
+        many = await remote.post(
+            "/status/release",
+            content="&".join(f"f{i}=1" for i in range(50)),
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
+        assert many.status_code == 400
+        streamed = await remote.post(
+            "/status/release",
+            content=body(),
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
+        assert streamed.status_code == 400
+        by_query = await remote.post("/status/release?token=s3cret", data=FORM)
+        assert by_query.status_code == 303
+    assert await released(stuck)
+
+    messages: list[dict[str, Any]] = [
+        {"type": "http.request", "body": b"scope=shop.charge&key=", "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/status/release",
+        "raw_path": b"/status/release",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"127.0.0.1:8080"),
+            (b"origin", LOCAL.encode()),
+            (b"content-type", b"application/x-www-form-urlencoded"),
+            (b"content-length", b"100"),
+        ],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8080),
+    }
+    await receiver(scope, receive, send)
+    assert sent[0]["status"] == 400
 
 
 async def test_status_and_metrics_can_be_left_off_the_webhook_port(

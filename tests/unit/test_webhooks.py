@@ -144,14 +144,15 @@ def test_a_missing_webhook_id_is_a_missing_key() -> None:
 
 def test_a_non_ascii_webhook_id_verifies_on_the_bytes_the_sender_signed() -> None:
     """The sender signs the id's UTF-8 bytes; an ASGI server hands them over as latin-1 text,
-    which is turned back into the same bytes (not re-encoded as UTF-8)."""
+    which is turned back into the same bytes (not re-encoded as UTF-8), and the key is the
+    id the sender wrote."""
     verify = standard_webhooks(secret=SW_SECRET, clock=lambda: SW_TIMESTAMP)
     msg_id = "msg_ключ_é"
     signature = sw_sign(SW_SECRET, msg_id, SW_TIMESTAMP, SW_BODY)
     as_served = msg_id.encode().decode("latin-1")  # what Starlette's request.headers holds
     headers = {"webhook-timestamp": str(SW_TIMESTAMP), "webhook-signature": signature}
     verified = verify(Headers({**headers, "webhook-id": as_served}), SW_BODY)
-    assert verified.key == as_served
+    assert verified.key == msg_id and verified.key.isprintable()
     # A caller's own str that never went through latin-1 is taken as the sender's UTF-8.
     assert verify(Headers({**headers, "webhook-id": msg_id}), SW_BODY).key == msg_id
     with pytest.raises(VerificationFailed):
@@ -425,3 +426,16 @@ def test_a_content_type_no_broker_can_carry_is_refused_even_by_a_catch_all(
     at_the_limit = "application/json; p=" + "x" * 235  # 255 bytes
     assert json_only.accepts(at_the_limit) and anything.accepts(at_the_limit)
     assert anything.accepts("application/json;\tcharset=utf-8") and anything.accepts(None)
+
+
+def test_non_ascii_delivery_ids_and_idempotency_keys_are_read_as_utf8() -> None:
+    """X-GitHub-Delivery and Idempotency-Key arrive as latin-1 text of their UTF-8 bytes and
+    become the text the sender wrote; bytes that are not UTF-8 are kept as they came."""
+    key = "ключ_é"
+    as_served = key.encode().decode("latin-1")
+    gh = Headers({"x-hub-signature-256": GH_SIGNATURE, "x-github-delivery": as_served})
+    assert github(secret=GH_SECRET)(gh, GH_BODY).key == key
+    verify = api_key({"k-1": "tenant-a"})
+    assert verify(Headers({"x-api-key": "k-1", "idempotency-key": as_served}), b"").key == key
+    not_utf8 = Headers({"x-api-key": "k-1", "idempotency-key": "caf\xe9"})
+    assert verify(not_utf8, b"").key == "caf\xe9"
