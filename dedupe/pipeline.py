@@ -73,10 +73,10 @@ class _Run:
     lease_s: float
     task: asyncio.Task[Any]
     attempt: int  # the attempt number the claim store counts for this key
-    isolate: asyncio.Lock | None = None  # held for the first run after a take-over
-    recount: bool = False  # a re-claimed key: count its attempt just before it starts
-    counted: bool = True  # this run's attempt is counted in the claims table
-    taken_over: bool = False  # a dead worker's key: a crash is in its history
+    # A re-claimed key's attempt is counted just before its first run starts; until then
+    # it is not (a graceful stop then has nothing to take back).
+    counted: bool = True
+    taken_over: bool = False  # a dead worker's key: a crash is in its history, run it alone
     lost: bool = False
     stopping: bool = False
     completing: bool = False
@@ -595,8 +595,6 @@ class Processor:
             lease_s=handler.lease_s,
             task=task,
             attempt=claim.attempts,
-            isolate=self._isolation if claim.taken_over else None,
-            recount=claim.taken_over or claim.handed_back,
             counted=not (claim.taken_over or claim.handed_back),
             taken_over=claim.taken_over,
         )
@@ -704,14 +702,14 @@ class Processor:
         """
         fence = run.fence
         db = Database(self.store.pool) if handler.takes_context else None
-        isolate, run.isolate = run.isolate, None
-        recount, run.recount = run.recount, False
+        # The first run after a take-over (not counted yet) runs alone.
+        isolate = self._isolation if run.taken_over and not run.counted else None
         try:
             if isolate is not None:
                 await isolate.acquire()
             try:
                 async with self._slots:
-                    if recount:
+                    if not run.counted:
                         await self._count_take_over(handler, run)
                         run.counted = True
                     if self._hooks["claimed"]:
