@@ -26,6 +26,11 @@ class KeyMissing(DedupeError):
     """The message carries no idempotency key where the handler looks for one."""
 
 
+class InvalidKey(DedupeError):
+    """The idempotency key or scope cannot be stored by the claims table (NUL, invalid
+    Unicode, too long); the message is dead-lettered with reason invalid_key."""
+
+
 class InvalidPayload(DedupeError):
     """The message body could not be decoded into the handler's parameter type."""
 

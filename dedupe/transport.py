@@ -24,6 +24,7 @@ class Reason(enum.StrEnum):
 
     KEY_CONFLICT = "key_conflict"
     MISSING_KEY = "missing_key"
+    INVALID_KEY = "invalid_key"  # a key or scope the claims table cannot store (NUL, too long)
     INVALID_PAYLOAD = "invalid_payload"
     MAX_ATTEMPTS = "max_attempts_exceeded"
     REJECTED = "rejected"
