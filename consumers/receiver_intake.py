@@ -134,10 +134,10 @@ class Intake:
                     source.channel, body, message_id=identity.message_id, headers=forward
                 )
         except asyncio.CancelledError:
-            await asyncio.shield(self._give_back(fence))
+            await asyncio.shield(self._give_back(fence, claim.attempts))
             raise
         except Exception as exc:
-            await self._give_back(fence)
+            await self._give_back(fence, claim.attempts)
             if too_large_for_broker(exc):
                 self.stats["broker_refused"] += 1
                 logger.info(
@@ -190,11 +190,11 @@ class Intake:
         )
         return reply.response()
 
-    async def _give_back(self, fence: Fence) -> None:
+    async def _give_back(self, fence: Fence, attempt: int) -> None:
         """Release the key at once, so the sender's retry takes it over without waiting."""
         try:
             async with asyncio.timeout(self.store_timeout_s):
-                await self.store.give_back(fence)
+                await self.store.give_back(fence, attempt=attempt)
         except Exception as exc:
             logger.warning(
                 "could not release key %s (%s: %s); its lease expires",

@@ -26,9 +26,9 @@ class KeyMissing(DedupeError):
     """The message carries no idempotency key where the handler looks for one."""
 
 
-class InvalidKey(DedupeError):
+class InvalidKey(KeyMissing):
     """The idempotency key or scope cannot be stored by the claims table (NUL, invalid
-    Unicode, too long); the message is dead-lettered with reason invalid_key."""
+    Unicode, too long): as good as no key; dead-lettered with reason invalid_key."""
 
 
 class InvalidPayload(DedupeError):

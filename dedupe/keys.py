@@ -14,7 +14,6 @@ KeySpec = str | KeyFunc
 
 # Where each transport puts the producer's message id when it is not a native property.
 MESSAGE_ID_HEADER = "message-id"
-MAX_KEY_LENGTH = 512
 
 
 def _body_json(message: Message) -> Any:
@@ -111,12 +110,13 @@ def compile_key(spec: KeySpec) -> KeyFunc:
 
 
 def derive_key(func: KeyFunc, message: Message) -> str:
-    """Apply a compiled key function; raise KeyMissing or InvalidPayload when it yields nothing."""
+    """Apply a compiled key function; raise KeyMissing or InvalidPayload when it yields nothing.
+
+    Whether the claims table can store the key is dedupe.values.check_claimable's to say.
+    """
     value = func(message)
     if value is None or value == "":
         raise KeyMissing("the message has no idempotency key where the handler looks for one")
     if not isinstance(value, str):
         value = str(value)
-    if len(value) > MAX_KEY_LENGTH:
-        raise KeyMissing(f"idempotency key longer than {MAX_KEY_LENGTH} characters")
     return value

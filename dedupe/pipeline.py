@@ -12,18 +12,28 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pydantic_core
+import asyncpg
 from tenacity import RetryCallState, wait_exponential_jitter
 
 from .app import STAGES, App, Handler, Hook
 from .batching import Batcher
 from .context import Context, Database
-from .errors import DedupeError, InvalidPayload, KeyMissing, LeaseLost, Reject, Retry, StoreError
+from .errors import (
+    DedupeError,
+    InvalidKey,
+    InvalidPayload,
+    KeyMissing,
+    LeaseLost,
+    Reject,
+    Retry,
+    StoreError,
+)
 from .keys import derive_key
 from .message import Message
 from .observe import Observer, Observers
 from .store import Claim, ClaimRequest, ClaimStore, Fence
 from .transport import ACK, Action, Delivery, Reason, Settlement
+from .values import check_claimable, encode_result, storable_text
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +77,12 @@ class Stats:
 
 @dataclass(eq=False)
 class _Run:
-    """A claim we hold while its handler runs; the heartbeat extends or cancels it."""
+    """A claim we hold, from the claim to its outcome; the heartbeat extends it, and cancels
+    its run (or, while it waits for a runner, marks it lost) when another worker took it."""
 
     fence: Fence
     lease_s: float
-    task: asyncio.Task[Any]
+    task: asyncio.Task[Any] | None  # None while the claim waits for a runner
     attempt: int  # the attempt number the claim store counts for this key
     # A re-claimed key's attempt is counted just before its first run starts; until then
     # it is not (a graceful stop then has nothing to take back).
@@ -80,6 +91,16 @@ class _Run:
     lost: bool = False
     stopping: bool = False
     completing: bool = False
+    started: bool = False  # holds a concurrency slot: the handler is about to run or runs
+
+
+@dataclass(eq=False)
+class _Batch:
+    """One process() call's queue of deliveries and the runner tasks working through it."""
+
+    work: collections.deque[tuple[Delivery, list[_Planned]]]
+    completions: _Completions
+    runners: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +111,7 @@ class _Observed:
     message: Message
     request: ClaimRequest
     started: float
+    run: _Run | None = None  # our claim, held until a runner takes it
 
 
 @dataclass(eq=False, slots=True)
@@ -142,23 +164,17 @@ class _CrashLoop(DedupeError):
     """The key was taken over from dead workers more than max_attempts times."""
 
 
-def encode_result(value: Any) -> str:
-    """The handler's return value as JSON (pydantic models, dataclasses, datetimes ...)."""
-    try:
-        return pydantic_core.to_json(value).decode()
-    except pydantic_core.PydanticSerializationError:
-        return pydantic_core.to_json(repr(value)).decode()
-
-
 def _dead_letter(
     reason: Reason, detail: str, fence: Fence | Claim | None = None, *, failed_claim: bool = False
 ) -> Settlement:
+    token = fence.token if isinstance(fence, Fence) else fence.row_token if fence else None
     return Settlement(
         Action.DEAD_LETTER,
         reason=reason,
-        detail=detail[:500],
+        detail=storable_text(detail, 500),
         scope=fence.scope if fence else None,
         key=fence.key if fence else None,
+        token=token,
         failed_claim=failed_claim,
     )
 
@@ -196,6 +212,8 @@ class Processor:
             for stage in stages:
                 self._hooks[stage].append(hook)
         self._runs: dict[tuple[str, str], _Run] = {}
+        self._batches: set[_Batch] = set()
+        self._stopping = False
         self._gc_interval_s = gc_interval_s
         self._max_defer_s = max_defer_s
         self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
@@ -224,15 +242,31 @@ class Processor:
         self._tasks.clear()
 
     async def drain(self, *, timeout_s: float) -> None:
-        """Wait for in-flight messages; past the timeout, give their keys back and requeue."""
+        """Give back at once the claims no handler runs yet (queued behind others, waiting for
+        a slot), wait for the runs under way; past the timeout, give their keys back too. The
+        deliveries given back are requeued."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        self._stopping = True
+        for run in list(self._runs.values()):
+            if run.task is not None and not (run.started or run.completing):
+                run.stopping = True
+                run.task.cancel()
+        # The batches' queued deliveries are settled by a runner of their own each (a claim
+        # of ours is given back, nothing runs), not left behind the runners' current work.
+        for batch in self._batches:
+            if batch.work:
+                stopper = asyncio.create_task(
+                    self._work_through(batch.work, batch.completions), name="dedupe-give-back"
+                )
+                batch.runners.append(stopper)
+                self._inflight.add(stopper)
         # Batches that were still claiming when the wait began start their runs later (one
         # per partition on Kafka): wait for those too, within the same deadline.
         while self._inflight and (remaining := deadline - loop.time()) > 0:
             await asyncio.wait(set(self._inflight), timeout=remaining)
         for run in list(self._runs.values()):
-            if not run.completing:
+            if run.task is not None and not run.completing:
                 run.stopping = True
                 run.task.cancel()
         if self._inflight:
@@ -269,9 +303,11 @@ class Processor:
             # A bug, not a message problem: give the batch back rather than leave it unsettled
             # (the keys claimed so far wait for their lease to lapse).
             logger.exception("unexpected error while claiming a batch; requeueing it")
-            for outcome, _ in (planned for plan in plans for planned in plan):
+            for outcome, observed in (planned for plan in plans for planned in plan):
                 if asyncio.iscoroutine(outcome):
                     outcome.close()
+                    if observed is not None and observed.run is not None:
+                        await self._release(observed.run)
             for delivery in deliveries:
                 await delivery.settle(
                     Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)
@@ -285,20 +321,26 @@ class Processor:
             (delivery, [plan[i] for plan in plans]) for i, delivery in enumerate(deliveries)
         )
         completions = _Completions()
-        runners = [
+        batch = _Batch(work, completions)
+        batch.runners = [
             asyncio.create_task(self._work_through(work, completions))
             for _ in range(min(len(work), self._runners))
         ]
         settler = asyncio.create_task(self._settle_completions(completions))
-        tasks = [*runners, settler]
-        self._inflight.update(tasks)
+        self._inflight.update([*batch.runners, settler])
+        self._batches.add(batch)
         try:
-            await asyncio.gather(*runners)
+            awaited = 0
+            while awaited < len(batch.runners):  # drain may add a runner meanwhile
+                runners = batch.runners[awaited:]
+                await asyncio.gather(*runners)
+                awaited += len(runners)
             completions.close()
             await settler
         finally:
             completions.close()
-            self._inflight.difference_update(tasks)
+            self._batches.discard(batch)
+            self._inflight.difference_update([*batch.runners, settler])
 
     async def _work_through(
         self,
@@ -401,9 +443,12 @@ class Processor:
             return
         if settled and settlement.action is Action.DEAD_LETTER:
             failed = [
-                (s.scope, s.key)
+                Fence(s.scope, s.key, s.token)
                 for s in settlements
-                if s.failed_claim and s.scope is not None and s.key is not None
+                if s.failed_claim
+                and s.scope is not None
+                and s.key is not None
+                and s.token is not None
             ]
             if failed:
                 try:
@@ -429,6 +474,10 @@ class Processor:
                 if not scope:
                     raise KeyMissing("the message has no tenant where the handler's scope looks")
                 key = derive_key(handler.key_func, message)
+                check_claimable(scope, key)
+            except InvalidKey as exc:
+                outcomes[i] = (_ready(_dead_letter(Reason.INVALID_KEY, str(exc))), None)
+                continue
             except KeyMissing as exc:
                 outcomes[i] = (_ready(_dead_letter(Reason.MISSING_KEY, str(exc))), None)
                 continue
@@ -451,10 +500,12 @@ class Processor:
             return [outcome or (_ready(requeue), None) for outcome in outcomes]
         awaited = {first for _, first in repeats}
         for (i, request), claim in zip(requests, claims, strict=True):
+            # Held from now on: heartbeated while it waits for a runner, given back at a stop.
+            held = self._hold(handler, claim) if claim.owned else None
             settle: Awaitable[_Outcome] = self._settle_claim(handler, messages[i], request, claim)
             if i in awaited:
                 settle = self._spawn(settle)
-            outcomes[i] = (settle, _Observed(handler, messages[i], request, started))
+            outcomes[i] = (settle, _Observed(handler, messages[i], request, started, held))
         for i, first in repeats:
             first_outcome = outcomes[first]
             after = self._after(first_outcome[0] if first_outcome else None, handler, messages[i])
@@ -520,6 +571,8 @@ class Processor:
             if isinstance(outcome, _Pending):  # wait for its completion to commit
                 with contextlib.suppress(Exception):
                     await asyncio.shield(outcome.done)
+        if self._stopping:
+            return Settlement(Action.REQUEUE, detail="worker stopping")
         scope = handler.scope_of(message) or ""
         request = ClaimRequest(scope, derive_key(handler.key_func, message), message.payload_hash)
         try:
@@ -535,7 +588,7 @@ class Processor:
     ) -> _Outcome:
         """Decide what a claim's answer means, and run the handler when the key is ours."""
         for _ in range(RECLAIM_TRIES):
-            if claim.owned or claim.status is not None:
+            if claim.owned or claim.status is not None or claim.refused is not None:
                 break
             # The row vanished (released, cleaned up) or was committed by a concurrent claim
             # after our statement's snapshot: ask again.
@@ -548,6 +601,8 @@ class Processor:
                 return Settlement(Action.REQUEUE, detail=str(exc), delay_s=1.0)
         if claim.owned:
             return await self._run(handler, message, claim)
+        if claim.refused is not None:
+            return _dead_letter(Reason.INVALID_KEY, claim.refused)
         if claim.same_payload is False:
             self.stats.conflicts += 1
             logger.warning(
@@ -580,25 +635,50 @@ class Processor:
         delay = min(self._max_defer_s, handler.lease_s / 3 * 2 ** (message.attempt - 1))
         return Settlement(Action.DEFER, delay_s=delay, detail="key in progress elsewhere")
 
-    async def _run(self, handler: Handler, message: Message, claim: Claim) -> _Outcome:
+    def _hold(self, handler: Handler, claim: Claim) -> _Run:
+        """Record a claim of ours, from now until its outcome.
+
+        A take-over means a worker died holding this key. Its first run here happens alone
+        and is counted just before it starts, so that if this message is what kills workers,
+        only it is charged for the crash, not the messages that were claimed beside it.
+        A key handed back by a worker that stopped is counted the same way but need not
+        run alone: no crash is in its history.
+        """
         assert claim.token is not None
-        fence = Fence(claim.scope, claim.key, claim.token)
-        task = asyncio.current_task()
-        assert task is not None
-        # A take-over means a worker died holding this key. Its first run here happens alone
-        # and is counted just before it starts, so that if this message is what kills workers,
-        # only it is charged for the crash, not the messages that were claimed beside it.
-        # A key handed back by a worker that stopped is counted the same way but need not
-        # run alone: no crash is in its history.
         run = _Run(
-            fence=fence,
+            fence=Fence(claim.scope, claim.key, claim.token),
             lease_s=handler.lease_s,
-            task=task,
+            task=None,
             attempt=claim.attempts,
             counted=not (claim.taken_over or claim.handed_back),
             taken_over=claim.taken_over,
         )
-        self._runs[(fence.scope, fence.key)] = run
+        self._runs[(claim.scope, claim.key)] = run
+        return run
+
+    async def _release(self, run: _Run) -> None:
+        """Forget a held claim that will not run, giving it back at once."""
+        fence = run.fence
+        if self._runs.get((fence.scope, fence.key)) is run:
+            del self._runs[(fence.scope, fence.key)]
+            await self._give_back(run)
+
+    async def _run(self, handler: Handler, message: Message, claim: Claim) -> _Outcome:
+        assert claim.token is not None
+        task = asyncio.current_task()
+        assert task is not None
+        run = self._runs.get((claim.scope, claim.key))
+        if run is None or run.fence.token != claim.token or run.task is not None:
+            run = self._hold(handler, claim)  # claimed again after the batch's claim
+        fence = run.fence
+        if run.lost:  # taken over while it waited for a runner
+            self._runs.pop((fence.scope, fence.key), None)
+            self.stats.lease_lost += 1
+            return Settlement(Action.DEFER, delay_s=handler.lease_s / 3, detail="lease lost")
+        if self._stopping:
+            await self._release(run)
+            return Settlement(Action.REQUEUE, detail="worker stopping")
+        run.task = task
         if claim.taken_over:
             self.stats.taken_over += 1
         try:
@@ -685,7 +765,7 @@ class Processor:
             _describe(exc),
         )
         attempt = await self.store.record_attempt(
-            run.fence, error=_describe(exc), lease_s=handler.lease_s
+            run.fence, attempt=run.attempt + 1, error=_describe(exc), lease_s=handler.lease_s
         )
         if attempt is None:
             raise LeaseLost()
@@ -709,6 +789,7 @@ class Processor:
                 await isolate.acquire()
             try:
                 async with self._slots:
+                    run.started = True
                     if not run.counted:
                         await self._count_take_over(handler, run)
                         run.counted = True
@@ -744,13 +825,10 @@ class Processor:
                 await self._run_hooks("handled", message, fence)
             run.completing = True
             if db is not None and db.started:
-                done = await self.store.complete(
-                    [(fence, result, handler.retention_s)], conn=await db.connection()
-                )
+                done = await self._complete_in(db, fence, result, handler.retention_s)
                 if not done:
                     self.stats.fenced += 1
                     raise LeaseLost()
-                await db.commit()
             else:
                 queued = self._completer.submit_nowait((fence, result, handler.retention_s))
                 return _Pending(handler, message, fence, result, queued)
@@ -766,9 +844,28 @@ class Processor:
             if db is not None:
                 await db.close()
 
+    async def _complete_in(
+        self, db: Database, fence: Fence, result: str, retention_s: float
+    ) -> bool:
+        """Complete inside the handler's transaction and commit; a COMMIT that fails is the
+        store's failure (the message is requeued), not the handler's: whether it committed is
+        unknown, and the claim settles it (a duplicate, or a take-over after the lease)."""
+        done = await self.store.complete([(fence, result, retention_s)], conn=await db.connection())
+        if not done:
+            return False
+        try:
+            await db.commit()
+        except asyncpg.IntegrityConstraintViolationError:
+            raise  # a deferred constraint the handler's writes broke: the handler's error
+        except Exception as exc:
+            raise StoreError(f"the commit failed: {_describe(exc)}") from exc
+        return True
+
     async def _count_take_over(self, handler: Handler, run: _Run) -> None:
         """Count the start of a taken-over key's run; too many starts is a crash loop."""
-        attempt = await self.store.record_attempt(run.fence, error=None, lease_s=handler.lease_s)
+        attempt = await self.store.record_attempt(
+            run.fence, attempt=run.attempt + 1, error=None, lease_s=handler.lease_s
+        )
         if attempt is None:
             raise LeaseLost()
         run.attempt = attempt
@@ -815,7 +912,11 @@ class Processor:
         (not marked handed back), so its next run still happens alone."""
         fence = run.fence
         try:
-            await self.store.give_back(fence, uncount=run.counted, handed_back=not run.taken_over)
+            await self.store.give_back(
+                fence,
+                attempt=run.attempt if run.counted else None,
+                handed_back=not run.taken_over,
+            )
         except StoreError as exc:
             logger.warning("could not give back %s/%s: %s", fence.scope, fence.key, exc)
 
@@ -836,7 +937,8 @@ class Processor:
                 key = (run.fence.scope, run.fence.key)
                 if key not in ours and not run.completing and self._runs.get(key) is run:
                     run.lost = True
-                    run.task.cancel()
+                    if run.task is not None:
+                        run.task.cancel()
 
     async def _gc_loop(self) -> None:
         assert self._gc_interval_s
@@ -857,8 +959,8 @@ def _describe(exc: BaseException | None) -> str:
         return "unknown error"
     if isinstance(exc, TimeoutError):
         return "TimeoutError: handler timed out"
-    text = str(exc)
-    return f"{exc.__class__.__name__}: {text[:300]}" if text else exc.__class__.__name__
+    text = storable_text(str(exc), 300)
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
 
 
 @functools.cache
@@ -893,4 +995,4 @@ def _ready(settlement: Settlement) -> asyncio.Future[Settlement]:
     return future
 
 
-__all__ = ["ACK", "Processor", "Stats", "encode_result"]
+__all__ = ["ACK", "Processor", "Stats", "encode_result"]  # encode_result: from .values

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
@@ -20,6 +22,7 @@ from tenacity import (
 
 from .errors import StoreError
 from .sql import migrations, queries
+from .values import dropped_result, storable_text
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,22 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.AdminShutdownError,
     asyncpg.QueryCanceledError,
 )
+
+
+# PostgreSQL refused a value, not the statement: SQLSTATE class 22 (data exception: NUL,
+# invalid input, out of range; asyncpg raises it too for an argument it cannot encode) and 54
+# (program limit exceeded: an index row too large, nesting too deep). A batched statement
+# refused so is split until only the items carrying such a value are left out.
+VALUE_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.DataError,
+    asyncpg.ProgramLimitExceededError,
+)
+
+T = TypeVar("T")
+
+
+class ValueRefused(StoreError):
+    """PostgreSQL refused a value of the statement (not the connection, not the statement)."""
 
 
 def redact(dsn: str) -> str:
@@ -74,6 +93,8 @@ class Claim:
     result: str | None = None
     error: str | None = None
     dead_lettered: bool | None = None
+    row_token: int | None = None  # the token of the row in the way (not ours)
+    refused: str | None = None  # PostgreSQL refused this claim's values: why
 
     @property
     def owned(self) -> bool:
@@ -117,8 +138,8 @@ class ClaimStore:
                 return list(await conn.fetch(self._q[name], *args))
             # A statement of its own is sent again after a transient error, on another pooled
             # connection. Every statement here is safe to repeat: a repeated claim finds its own
-            # live lease (the message is deferred), a repeated completion finds the key
-            # completed (the message is a duplicate).
+            # claims by its request id, a repeated completion or failure finds our own outcome,
+            # a repeated attempt count or give-back finds the count it made.
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception_type(TRANSIENT_ERRORS),
                 stop=stop_after_attempt(4),
@@ -133,8 +154,27 @@ class ClaimStore:
             raise AssertionError("unreachable")  # pragma: no cover
         except TRANSIENT_ERRORS as exc:
             raise StoreError(f"{name} failed: {exc.__class__.__name__}: {exc}") from exc
+        except VALUE_ERRORS as exc:
+            raise ValueRefused(f"{name}: PostgreSQL refused a value: {_said(exc)}") from exc
         except asyncpg.PostgresError as exc:
             raise StoreError(f"{name} was refused by PostgreSQL: {exc}") from exc
+
+    async def _each(
+        self, items: Sequence[T], send: Callable[[Sequence[T]], Awaitable[list[asyncpg.Record]]]
+    ) -> tuple[list[asyncpg.Record], list[tuple[T, str]]]:
+        """Send a batched statement; where PostgreSQL refuses a value, split the batch in halves
+        until only the items carrying it are left out. Returns the rows and the refused items
+        with the reason; any other error fails the whole batch."""
+        try:
+            return await send(items), []
+        except ValueRefused as exc:
+            if len(items) == 1:
+                return [], [(items[0], str(exc))]
+            logger.warning("PostgreSQL refused a value in a batch of %d; splitting it", len(items))
+        middle = len(items) // 2
+        rows, refused = await self._each(items[:middle], send)
+        more_rows, more_refused = await self._each(items[middle:], send)
+        return rows + more_rows, refused + more_refused
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
@@ -150,49 +190,59 @@ class ClaimStore:
     async def claim_batch(
         self, requests: Sequence[ClaimRequest], *, lease_s: float, retention_s: float
     ) -> list[Claim]:
-        """Claim every key in one statement; keys must be distinct within the batch."""
+        """Claim every key in one statement; keys must be distinct within the batch.
+
+        A request whose values PostgreSQL refuses comes back `refused`, the others claimed as
+        usual (the batch is split around it).
+        """
         if not requests:
             return []
-        rows = await self._fetch(
-            "claim_batch",
-            [r.scope for r in requests],
-            [r.key for r in requests],
-            [r.payload_hash for r in requests],
-            self.owner,
-            float(lease_s),
-            float(retention_s),
-        )
-        by_key = {
-            (row["scope"], row["key"]): Claim(
-                scope=row["scope"],
-                key=row["key"],
-                token=row["token"],
-                attempts=row["attempts"] or row["existing_attempts"] or 0,
-                taken_over=(row["token"] or 0) > 1 and not row["handed_back"],
-                handed_back=bool(row["handed_back"]),
-                status=row["status"],
-                same_payload=row["same_payload"],
-                lease_live=row["lease_live"],
-                result=row["result"],
-                error=row["error"],
-                dead_lettered=row["dead_lettered"],
+        request_id = secrets.randbits(63)
+
+        async def send(batch: Sequence[ClaimRequest]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "claim_batch",
+                [r.scope for r in batch],
+                [r.key for r in batch],
+                [r.payload_hash for r in batch],
+                self.owner,
+                float(lease_s),
+                float(retention_s),
+                request_id,
             )
-            for row in rows
-        }
+
+        rows, refused = await self._each(requests, send)
+        by_key = {(row["scope"], row["key"]): _claim_of(row) for row in rows}
+        for request, why in refused:
+            by_key[(request.scope, request.key)] = Claim(
+                scope=request.scope, key=request.key, token=None, attempts=0, refused=why
+            )
         return [by_key[(r.scope, r.key)] for r in requests]
 
     async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[tuple[str, str]]:
-        """Extend leases; return the (scope, key) pairs that are still ours."""
+        """Extend leases; return the (scope, key) pairs that are still ours.
+
+        A lease whose values PostgreSQL refuses counts as ours (its fence still guards the
+        completion); the others are extended as usual.
+        """
         if not leases:
             return set()
-        rows = await self._fetch(
-            "heartbeat",
-            [f.scope for f, _ in leases],
-            [f.key for f, _ in leases],
-            [f.token for f, _ in leases],
-            [float(lease_s) for _, lease_s in leases],
-        )
-        return {(row["scope"], row["key"]) for row in rows}
+
+        async def send(batch: Sequence[tuple[Fence, float]]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "heartbeat",
+                [f.scope for f, _ in batch],
+                [f.key for f, _ in batch],
+                [f.token for f, _ in batch],
+                [float(lease_s) for _, lease_s in batch],
+            )
+
+        rows, refused = await self._each(leases, send)
+        for (fence, _), why in refused:
+            logger.warning("heartbeat of %s/%s refused: %s", fence.scope, fence.key, why)
+        return {(row["scope"], row["key"]) for row in rows} | {
+            (fence.scope, fence.key) for (fence, _), _ in refused
+        }
 
     async def complete(
         self,
@@ -200,51 +250,103 @@ class ClaimStore:
         *,
         conn: asyncpg.Connection | None = None,
     ) -> set[tuple[str, str]]:
-        """Record (fence, result_json, retention_s) outcomes; return the keys completed."""
+        """Record (fence, result_json, retention_s) outcomes; return the keys completed.
+
+        On its own connection, a result PostgreSQL refuses is stored as a marker saying why
+        (dedupe.values.dropped_result) and the batch's other outcomes are recorded as usual.
+        Inside a handler's transaction (`conn`) nothing can be split: results are made
+        storable before they get here (dedupe.values.encode_result).
+        """
         if not outcomes:
             return set()
-        rows = await self._fetch(
-            "complete",
-            [f.scope for f, _, _ in outcomes],
-            [f.key for f, _, _ in outcomes],
-            [f.token for f, _, _ in outcomes],
-            [result for _, result, _ in outcomes],
-            [float(retention_s) for _, _, retention_s in outcomes],
-            conn=conn,
-        )
+
+        async def send(batch: Sequence[tuple[Fence, str, float]]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "complete",
+                [f.scope for f, _, _ in batch],
+                [f.key for f, _, _ in batch],
+                [f.token for f, _, _ in batch],
+                [result for _, result, _ in batch],
+                [float(retention_s) for _, _, retention_s in batch],
+                conn=conn,
+            )
+
+        if conn is not None:
+            rows = await send(outcomes)
+        else:
+            rows, refused = await self._each(outcomes, send)
+            for (fence, _, retention_s), why in refused:
+                logger.warning(
+                    "the result of %s/%s was refused (%s); storing a marker instead",
+                    fence.scope,
+                    fence.key,
+                    why,
+                    extra={"scope": fence.scope, "key": fence.key},
+                )
+                marker = dropped_result(f"PostgreSQL refused the result: {why}")
+                with contextlib.suppress(ValueRefused):
+                    rows += await send([(fence, marker, retention_s)])
         return {(row["scope"], row["key"]) for row in rows}
 
     async def record_attempt(
-        self, fence: Fence, *, error: str | None, lease_s: float
+        self, fence: Fence, *, attempt: int, error: str | None, lease_s: float
     ) -> int | None:
-        """Count the next attempt; None when the key is no longer ours."""
+        """Count attempt number `attempt` (the one about to run); None when the key is no
+        longer ours. Sent again after a lost reply, it counts nothing more."""
         rows = await self._fetch(
-            "record_attempt", fence.scope, fence.key, fence.token, error, float(lease_s)
+            "record_attempt",
+            fence.scope,
+            fence.key,
+            fence.token,
+            None if error is None else storable_text(error, 1000),
+            float(lease_s),
+            attempt,
         )
         return int(rows[0]["attempts"]) if rows else None
 
     async def fail(self, fence: Fence, *, error: str, retention_s: float) -> bool:
         """Mark the key failed for good; False when it was no longer ours."""
         rows = await self._fetch(
-            "fail", fence.scope, fence.key, fence.token, error, float(retention_s)
+            "fail",
+            fence.scope,
+            fence.key,
+            fence.token,
+            storable_text(error, 1000),
+            float(retention_s),
         )
         return bool(rows)
 
-    async def mark_dead_lettered(self, keys: Sequence[tuple[str, str]]) -> None:
-        """Record that the dead letters of these failed (scope, key)s were confirmed."""
-        if keys:
-            await self._fetch(
-                "mark_dead_lettered", [scope for scope, _ in keys], [key for _, key in keys]
+    async def mark_dead_lettered(self, fences: Sequence[Fence]) -> None:
+        """Record that the dead letters of these failed claims were confirmed (fenced by the
+        token of the failure, so a newer claim's failure keeps its own record)."""
+        if not fences:
+            return
+
+        async def send(batch: Sequence[Fence]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "mark_dead_lettered",
+                [f.scope for f in batch],
+                [f.key for f in batch],
+                [f.token for f in batch],
             )
 
+        await self._each(fences, send)
+
     async def give_back(
-        self, fence: Fence, *, uncount: bool = True, handed_back: bool = True
+        self, fence: Fence, *, attempt: int | None = None, handed_back: bool = True
     ) -> bool:
-        """Release our lease at once (graceful shutdown); `uncount` takes back the attempt
-        counted for the interrupted run, `handed_back` marks the key as given back (its next
-        run need not wait alone as a dead worker's key does)."""
+        """Release our lease at once (graceful shutdown). `attempt`: the count the interrupted
+        run made, taken back (None: it was not counted; sent again after a lost reply, nothing
+        more is taken back). `handed_back` marks the key as given back (its next run need not
+        wait alone as a dead worker's key does)."""
         rows = await self._fetch(
-            "give_back", fence.scope, fence.key, fence.token, uncount, handed_back
+            "give_back",
+            fence.scope,
+            fence.key,
+            fence.token,
+            attempt is not None,
+            handed_back,
+            attempt or 0,
         )
         return bool(rows)
 
@@ -296,6 +398,33 @@ class ClaimStore:
 
     async def count_by_status(self) -> list[dict[str, Any]]:
         return [dict(row) for row in await self._fetch("count_by_status")]
+
+
+def _claim_of(row: asyncpg.Record) -> Claim:
+    token = row["token"]
+    handed_back = bool(row["handed_back"])
+    return Claim(
+        scope=row["scope"],
+        key=row["key"],
+        token=token,
+        attempts=row["attempts"] or row["existing_attempts"] or 0,
+        # Re-claimed (not inserted): a lapsed lease of a dead worker, unless it was handed
+        # back. A claim of ours found again by a repeated statement is counted as new.
+        taken_over=token is not None and row["inserted"] is False and not handed_back,
+        handed_back=handed_back,
+        status=row["status"],
+        same_payload=row["same_payload"],
+        lease_live=row["lease_live"],
+        result=row["result"],
+        error=row["error"],
+        dead_lettered=row["dead_lettered"],
+        row_token=row["row_token"],
+    )
+
+
+def _said(exc: BaseException) -> str:
+    """What PostgreSQL (or asyncpg) said, on one line, fit for a header or a log."""
+    return storable_text(" ".join(str(exc).split()), 300)
 
 
 class StoreConnection(asyncpg.Connection):  # type: ignore[misc]

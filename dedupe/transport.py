@@ -42,6 +42,9 @@ class Settlement:
     result: str | None = None  # the stored outcome (JSON), for transports with a reply path
     scope: str | None = None  # the claim concerned, carried into dead-letter headers
     key: str | None = None
+    token: int | None = (
+        None  # the claim's token (fences the record of a failed claim's dead letter)
+    )
     # A dead letter of our own failed claim (not a conflict with someone else's): once the
     # transport has settled it, the claim records that its dead letter went out.
     failed_claim: bool = False

@@ -24,6 +24,7 @@ from typing import Protocol
 from .errors import ConfigurationError, DedupeError, InvalidPayload, KeyMissing
 from .keys import KeyFunc
 from .message import Headers, Message
+from .values import check_claimable
 
 DEFAULT_TOLERANCE_S = 300.0
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
@@ -458,6 +459,7 @@ class WebhookSource:
                 f"the idempotency key is too long: with its source and tenant it must fit "
                 f"{MAX_MESSAGE_ID_BYTES} bytes"
             )
+        check_claimable(scope, key)  # InvalidKey: the claims table could not hold it (400)
         return Identity(scope=scope, key=key, tenant=tenant, message_id=message_id)
 
 

@@ -6,37 +6,45 @@
 -- the key (new, or taken over from an expired lease / a released failure), otherwise the
 -- state of the row that stands in our way. Inputs are sorted so that two workers claiming
 -- overlapping batches lock rows in the same order and never deadlock.
+-- Tokens come from one sequence (never issued twice, even for a row deleted and claimed again).
 -- A new key counts its first attempt here; a take-over does not: the worker counts it with
 -- record_attempt just before the handler starts, so a message that was claimed but never
 -- started when its worker died is not charged for the crash.
+-- $7 identifies this statement: sent again after a lost reply, it finds the claims it made the
+-- first time (in progress, ours, with its id) and answers with their tokens.
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[]) AS i(scope, key, payload_hash)
 ),
 claimed AS (
     INSERT INTO dedupe_claims AS c
-        (scope, key, payload_hash, status, token, owner, attempts, lease_until, expires_at)
-    SELECT scope, key, payload_hash, 'in_progress', 1, $4, 1,
-           now() + make_interval(secs => $5), now() + make_interval(secs => $6)
+        (scope, key, payload_hash, status, token, owner, attempts, lease_until, expires_at,
+         claim_request_id)
+    SELECT scope, key, payload_hash, 'in_progress', nextval('dedupe_claim_tokens'), $4, 1,
+           now() + make_interval(secs => $5), now() + make_interval(secs => $6), $7::bigint
     FROM input
     ORDER BY scope, key
     ON CONFLICT (scope, key) DO UPDATE
-        SET token = c.token + 1, owner = EXCLUDED.owner,
+        SET token = nextval('dedupe_claim_tokens'), owner = EXCLUDED.owner,
             status = 'in_progress', retryable = false, lease_until = EXCLUDED.lease_until,
             error = NULL, updated_at = now(), claimed_at = now(),
-            expires_at = EXCLUDED.expires_at
+            expires_at = EXCLUDED.expires_at, claim_request_id = EXCLUDED.claim_request_id
         WHERE c.payload_hash = EXCLUDED.payload_hash
           AND ((c.status = 'in_progress' AND c.lease_until < now())
                OR (c.status = 'failed' AND c.retryable))
-    RETURNING c.scope, c.key, c.token, c.attempts
+    -- xmax is 0 on a row this statement inserted, our transaction's id on one it updated.
+    RETURNING c.scope, c.key, c.token, c.attempts, c.xmax = 0 AS inserted
 )
-SELECT i.scope, i.key, cl.token, cl.attempts,
-       e.status, e.payload_hash = i.payload_hash AS same_payload,
+SELECT i.scope, i.key,
+       coalesce(cl.token, CASE WHEN e.claim_request_id = $7::bigint AND e.owner = $4
+                                    AND e.status = 'in_progress' THEN e.token END) AS token,
+       cl.attempts, cl.inserted,
+       e.status, e.payload_hash = i.payload_hash AS same_payload, e.token AS row_token,
        e.lease_until > now() AS lease_live, e.result::text AS result, e.error,
        e.attempts AS existing_attempts, e.dead_lettered_at IS NOT NULL AS dead_lettered,
        -- A re-claim of a key its worker handed back at a graceful stop (give_back), not of
        -- a dead worker's lapsed lease. The main query reads the rows as they were before
        -- this statement; only re-claims (rare) look.
-       CASE WHEN cl.token > 1 THEN
+       CASE WHEN NOT cl.inserted THEN
            (SELECT b.status = 'in_progress' AND b.error IS NOT DISTINCT FROM 'handed back'
               FROM dedupe_claims b WHERE b.scope = i.scope AND b.key = i.key)
        END AS handed_back
@@ -67,9 +75,12 @@ RETURNING c.scope, c.key;
 
 -- name: record_attempt
 -- Count the next attempt before running it (a retry, or the first run after a take-over), so
--- crash loops are counted. $4 is the last error, or NULL to keep the one recorded.
+-- crash loops are counted. $4 is the last error, or NULL to keep the one recorded. $6 is the
+-- count this attempt makes: sent again after a lost reply, the statement finds it reached
+-- and counts nothing more.
 UPDATE dedupe_claims
-   SET attempts = attempts + 1, error = coalesce($4, error),
+   SET attempts = CASE WHEN attempts >= $6 THEN attempts ELSE attempts + 1 END,
+       error = coalesce($4, error),
        lease_until = now() + make_interval(secs => $5), updated_at = now()
  WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
 RETURNING attempts;
@@ -84,21 +95,23 @@ UPDATE dedupe_claims
 RETURNING 1;
 
 -- name: mark_dead_lettered
--- The broker confirmed the dead letters of these failed keys.
+-- The broker confirmed the dead letters of these failed keys, fenced by the token of the
+-- failure they report (a key failed again under a newer claim keeps its own record).
 UPDATE dedupe_claims AS c
    SET dead_lettered_at = now()
-  FROM unnest($1::text[], $2::text[]) AS i(scope, key)
- WHERE c.scope = i.scope AND c.key = i.key AND c.status = 'failed'
+  FROM unnest($1::text[], $2::text[], $3::bigint[]) AS i(scope, key, token)
+ WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token AND c.status = 'failed'
    AND c.dead_lettered_at IS NULL;
 
 -- name: give_back
 -- Graceful shutdown: hand the key back at once; $4: take back the interrupted attempt
--- (only if it was counted). $5: mark it with the error 'handed back' (claim_batch reads
--- it), so its next run need not wait alone as a dead worker's key does; not for a dead
--- worker's key whose run never finished. The next claim clears it.
+-- (only if it was counted), $6 being the count that attempt made: sent again after a lost
+-- reply, the statement finds it taken back already. $5: mark it with the error 'handed
+-- back' (claim_batch reads it), so its next run need not wait alone as a dead worker's key
+-- does; not for a dead worker's key whose run never finished. The next claim clears it.
 UPDATE dedupe_claims
    SET lease_until = now(),
-       attempts = CASE WHEN $4 THEN greatest(attempts - 1, 0) ELSE attempts END,
+       attempts = CASE WHEN $4 AND attempts >= $6 THEN greatest($6 - 1, 0) ELSE attempts END,
        error = CASE WHEN $5 THEN 'handed back' ELSE error END, updated_at = now()
  WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
 RETURNING 1;
