@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,20 +75,24 @@ class Database:
         conn, tx, self._conn, self._tx = self._conn, self._tx, None, None
         if conn is None:
             return
-        try:
-            if tx is not None:
-                await tx.rollback()
-        except (
+        broken = (
             asyncpg.PostgresError,
             asyncpg.InterfaceError,
             asyncpg.InternalClientError,
             OSError,
-        ):
+        )
+        try:
+            if tx is not None:
+                await tx.rollback()
+        except broken:
             # The server rolls back a broken session by itself. Never hand a connection in an
-            # unknown state back to the pool (asyncpg would reuse it): close it instead.
-            conn.terminate()
+            # unknown state back to the pool (asyncpg would reuse it): close it instead. A
+            # connection lost mid-transaction may be detached from the pool already.
+            with contextlib.suppress(*broken):
+                conn.terminate()
         finally:
-            await self._pool.release(conn)
+            with contextlib.suppress(*broken):
+                await self._pool.release(conn)
 
 
 @dataclass(slots=True)
