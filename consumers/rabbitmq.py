@@ -149,7 +149,9 @@ class _Acks:
     AMQP channel's tags goes out as one `basic.ack(multiple=True)`. A done tag stuck behind one
     still running is acked on its own after `LATE_S`, so a slow handler never holds back the
     others' prefetch slots for longer. A lost ack frame means a redelivery, which the claims
-    turn into a duplicate: the same as an ack lost on the wire.
+    turn into a duplicate: the same as an ack lost on the wire. A closed channel's tags are
+    dropped whole: its unacked deliveries go back to their queues on the broker's side and no
+    ack for them can be sent any more (after a reconnect, the old channel never comes back).
     """
 
     LATE_S = 0.05
@@ -161,12 +163,18 @@ class _Acks:
         self._task: asyncio.Task[None] | None = None
 
     def delivered(self, incoming: AbstractIncomingMessage) -> None:
+        self._drop_closed()
         if incoming.delivery_tag is not None:
             self._tags.setdefault(incoming.channel, {})[incoming.delivery_tag] = False
 
     def forget(self, incoming: AbstractIncomingMessage) -> None:
-        """The delivery is settled some other way (nack): no longer part of a run."""
+        """The delivery is settled some other way (nack) or cannot be (its channel closed)."""
         self._tags.get(incoming.channel, {}).pop(incoming.delivery_tag or 0, None)
+        self._drop_closed()
+
+    def _drop_closed(self) -> None:
+        for channel in [channel for channel in self._tags if channel.is_closed]:
+            del self._tags[channel]
 
     def ack(self, incoming: AbstractIncomingMessage) -> bool:
         """Mark the delivery acked; False when it is not tracked (ack it directly)."""
@@ -186,6 +194,9 @@ class _Acks:
         while self._due:
             self._due = False
             for channel, tags in list(self._tags.items()):
+                if channel.is_closed:
+                    self._tags.pop(channel, None)
+                    continue
                 last = None
                 while tags:
                     tag = next(iter(tags))
@@ -196,8 +207,6 @@ class _Acks:
                 single = [tag for tag, done in tags.items() if done] if late else []
                 for tag in single:
                     del tags[tag]
-                if not tags and channel.is_closed:
-                    del self._tags[channel]
                 try:
                     if last is not None:
                         await channel.basic_ack(delivery_tag=last, multiple=True)
@@ -426,6 +435,7 @@ class RabbitMQTransport(Transport):
     async def _ack(self, incoming: AbstractIncomingMessage) -> None:
         """Acknowledge, in a run with the deliveries settled beside it (one frame for many)."""
         if incoming.channel.is_closed:
+            self._acks.forget(incoming)
             raise aio_pika.exceptions.ChannelInvalidStateError("the channel is closed")
         if not self._acks.ack(incoming):
             await incoming.ack()
