@@ -4,6 +4,9 @@ Topology per channel `C` (all durable):
   C          the work queue; rejected messages dead-letter to C.dlq through the default exchange
   C.dlq      dead letters, with the reason in `x-dedupe-reason` / `x-dedupe-detail` headers
   C.delay    no consumers: deferred messages wait out their per-message TTL, then return to C
+
+Copies to C.dlq and C.delay are `mandatory`: one RabbitMQ cannot route (the queue was deleted
+or expired) comes back instead of vanishing, and the original is never acked into nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 try:
@@ -129,8 +132,7 @@ class RabbitDelivery:
 
     async def settle(self, settlement: Settlement) -> bool:
         try:
-            await self.transport.settle(self, settlement)
-            return True
+            return await self.transport.settle(self, settlement)
         except Exception as exc:
             # The connection went away: the broker redelivers the message, and the claim
             # table turns that redelivery into a duplicate (or a take-over after the lease).
@@ -149,7 +151,9 @@ class _Acks:
     AMQP channel's tags goes out as one `basic.ack(multiple=True)`. A done tag stuck behind one
     still running is acked on its own after `LATE_S`, so a slow handler never holds back the
     others' prefetch slots for longer. A lost ack frame means a redelivery, which the claims
-    turn into a duplicate: the same as an ack lost on the wire.
+    turn into a duplicate: the same as an ack lost on the wire. A closed channel's tags are
+    dropped whole: its unacked deliveries go back to their queues on the broker's side and no
+    ack for them can be sent any more (after a reconnect, the old channel never comes back).
     """
 
     LATE_S = 0.05
@@ -161,12 +165,18 @@ class _Acks:
         self._task: asyncio.Task[None] | None = None
 
     def delivered(self, incoming: AbstractIncomingMessage) -> None:
+        self._drop_closed()
         if incoming.delivery_tag is not None:
             self._tags.setdefault(incoming.channel, {})[incoming.delivery_tag] = False
 
     def forget(self, incoming: AbstractIncomingMessage) -> None:
-        """The delivery is settled some other way (nack): no longer part of a run."""
+        """The delivery is settled some other way (nack) or cannot be (its channel closed)."""
         self._tags.get(incoming.channel, {}).pop(incoming.delivery_tag or 0, None)
+        self._drop_closed()
+
+    def _drop_closed(self) -> None:
+        for channel in [channel for channel in self._tags if channel.is_closed]:
+            del self._tags[channel]
 
     def ack(self, incoming: AbstractIncomingMessage) -> bool:
         """Mark the delivery acked; False when it is not tracked (ack it directly)."""
@@ -186,6 +196,9 @@ class _Acks:
         while self._due:
             self._due = False
             for channel, tags in list(self._tags.items()):
+                if channel.is_closed:
+                    self._tags.pop(channel, None)
+                    continue
                 last = None
                 while tags:
                     tag = next(iter(tags))
@@ -196,8 +209,6 @@ class _Acks:
                 single = [tag for tag, done in tags.items() if done] if late else []
                 for tag in single:
                     del tags[tag]
-                if not tags and channel.is_closed:
-                    del self._tags[channel]
                 try:
                     if last is not None:
                         await channel.basic_ack(delivery_tag=last, multiple=True)
@@ -237,6 +248,10 @@ class RabbitMQTransport(Transport):
     """Consume channels from RabbitMQ and settle deliveries as the core decides."""
 
     WATCH_S = 5.0  # how often the consuming channel is looked at (see _watch)
+    # How long a delivery whose copy RabbitMQ would not route waits before it is requeued, so
+    # that a queue that cannot be declared (missing permission, other arguments) does not
+    # spin the message through the worker as fast as the broker redelivers it.
+    UNROUTABLE_PAUSE_S = 1.0
 
     def __init__(
         self,
@@ -255,6 +270,7 @@ class RabbitMQTransport(Transport):
         self._publish_channel: AbstractChannel | None = None
         self._reopening = asyncio.Lock()
         self._acks = _Acks()
+        self._copying: dict[str, asyncio.Event] = {}  # message ids with a copy in flight
 
     async def connect(self) -> None:
         if self._connection is None:
@@ -265,7 +281,9 @@ class RabbitMQTransport(Transport):
             await self._channel.set_qos(prefetch_count=self.prefetch)
             # Copies go out on their own confirming channel so that a slow confirm never
             # holds up deliveries on the consuming one.
-            self._publish_channel = await self._connection.channel(publisher_confirms=True)
+            self._publish_channel = await self._connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
@@ -384,7 +402,9 @@ class RabbitMQTransport(Transport):
             task.add_done_callback(processing.discard)
             task.add_done_callback(_log_failure)
 
-    async def settle(self, delivery: RabbitDelivery, settlement: Settlement) -> None:
+    async def settle(self, delivery: RabbitDelivery, settlement: Settlement) -> bool:
+        """Carry out the settlement; False when a copy could not be routed and the delivery
+        was requeued instead (a dead letter then is not sent: its next delivery sends it)."""
         incoming = delivery.incoming
         if settlement.action is Action.ACK:
             if settlement.result is not None and incoming.reply_to:
@@ -393,7 +413,9 @@ class RabbitMQTransport(Transport):
         elif settlement.action is Action.DEAD_LETTER:
             headers: dict[str, Any] = dict(incoming.headers or {})
             headers.update(dead_letter_headers(settlement))
-            await self._publish(copy_of(incoming, headers=headers), dlq_name(delivery.channel))
+            dead_letter = copy_of(incoming, headers=headers)
+            if not await self._copy(dead_letter, delivery.channel, dlq_name(delivery.channel)):
+                return await self._give_back(incoming, dlq_name(delivery.channel))
             await self._ack(incoming)
             logger.warning(
                 "dead-lettered a message from %s to %s: %s (%s)",
@@ -415,17 +437,93 @@ class RabbitMQTransport(Transport):
             if settlement.action is Action.DEFER:
                 headers[DEFERRALS_HEADER] = delivery.message.attempt
             delay = max(settlement.delay_s, 0.05)
-            await self._publish(
-                copy_of(incoming, headers=headers, expiration=delay), delay_name(delivery.channel)
-            )
+            later = copy_of(incoming, headers=headers, expiration=delay)
+            if not await self._copy(later, delivery.channel, delay_name(delivery.channel)):
+                return await self._give_back(incoming, delay_name(delivery.channel))
             await self._ack(incoming)
         else:
             self._acks.forget(incoming)
             await incoming.nack(requeue=True)
+        return True
+
+    async def _copy(self, message: aio_pika.Message, channel: str, queue: str) -> bool:
+        """Publish a copy to one of `channel`'s queues; False if RabbitMQ cannot route it.
+
+        A copy RabbitMQ returns (the queue was deleted, or expired by a policy) or refuses
+        makes the transport declare the channel's queues again and send it once more.
+        """
+        async with self._alone(message.message_id):
+            try:
+                await self._publish(message, queue)
+                return True
+            except aio_pika.exceptions.DeliveryError as exc:
+                logger.warning(
+                    "RabbitMQ did not take a copy for %s (%s); declaring the queues of %s again",
+                    queue,
+                    exc,
+                    channel,
+                )
+            try:
+                await self._declare_again(channel)
+                await self._publish(message, queue)
+                return True
+            except (aio_pika.exceptions.DeliveryError, aio_pika.exceptions.AMQPChannelError) as exc:
+                logger.warning("RabbitMQ still did not take a copy for %s (%s)", queue, exc)
+                return False
+
+    @contextlib.asynccontextmanager
+    async def _alone(self, message_id: str | None) -> AsyncIterator[None]:
+        """Hold other copies of this message id back until this one is confirmed or returned.
+
+        aiormq matches a returned message to its publish by message id: with two copies of one
+        id in flight, a return can land on the other copy, and the one RabbitMQ returned then
+        counts as confirmed and is lost (seen with a real broker). Copies of one id seldom
+        overlap (duplicates deferred together, one message id under several keys), so the wait
+        costs little.
+        """
+        if message_id is None:
+            yield  # aiormq gives the copy a random id of its own
+            return
+        while (busy := self._copying.get(message_id)) is not None:
+            await busy.wait()
+        self._copying[message_id] = done = asyncio.Event()
+        try:
+            yield
+        finally:
+            del self._copying[message_id]
+            done.set()
+
+    async def _declare_again(self, name: str) -> None:
+        """Declare a channel's queues on a channel of their own, closed afterwards.
+
+        A declaration RabbitMQ refuses (a queue re-created with other arguments) closes the
+        channel it was made on; the copy channel carries the confirms of other copies.
+        """
+        if self._connection is None:
+            raise aio_pika.exceptions.ChannelInvalidStateError("the transport is closed")
+        channel = await self._connection.channel(publisher_confirms=False)
+        try:
+            await declare_channel(channel, name)
+        finally:
+            with contextlib.suppress(Exception):
+                await channel.close()
+
+    async def _give_back(self, incoming: AbstractIncomingMessage, queue: str) -> bool:
+        """Requeue a delivery whose copy RabbitMQ would not route, rather than ack it."""
+        logger.warning(
+            "no way to route a copy to %s; the message goes back to its queue",
+            queue,
+            extra={"message_id": incoming.message_id},
+        )
+        self._acks.forget(incoming)
+        await asyncio.sleep(self.UNROUTABLE_PAUSE_S)
+        await incoming.nack(requeue=True)
+        return False
 
     async def _ack(self, incoming: AbstractIncomingMessage) -> None:
         """Acknowledge, in a run with the deliveries settled beside it (one frame for many)."""
         if incoming.channel.is_closed:
+            self._acks.forget(incoming)
             raise aio_pika.exceptions.ChannelInvalidStateError("the channel is closed")
         if not self._acks.ack(incoming):
             await incoming.ack()
@@ -434,7 +532,9 @@ class RabbitMQTransport(Transport):
         channel = self._publish_channel
         if channel is None or channel.is_closed:
             channel = await self._reopen_publish_channel()
-        await channel.default_exchange.publish(message, routing_key=routing_key)
+        # mandatory: a message RabbitMQ cannot route raises (on_return_raises) instead of
+        # being confirmed and dropped.
+        await channel.default_exchange.publish(message, routing_key=routing_key, mandatory=True)
 
     async def _reopen_publish_channel(self) -> AbstractChannel:
         """A new confirming channel for copies (dead letters, delays, replies).
@@ -450,19 +550,34 @@ class RabbitMQTransport(Transport):
                 if self._connection is None:
                     raise aio_pika.exceptions.ChannelInvalidStateError("the transport is closed")
                 logger.info("reopening the channel for dead letters and delays")
-                channel = await self._connection.channel(publisher_confirms=True)
+                channel = await self._connection.channel(
+                    publisher_confirms=True, on_return_raises=True
+                )
                 self._publish_channel = channel
             return channel
 
     async def _reply(self, incoming: AbstractIncomingMessage, result: str) -> None:
-        """Replay the stored outcome to a request-reply caller (RPC over RabbitMQ)."""
+        """Replay the stored outcome to a request-reply caller (RPC over RabbitMQ).
+
+        The reply queue is the caller's, so it is never declared here. A reply RabbitMQ cannot
+        route (the caller's queue is gone) is logged at warning and the request still acked:
+        its outcome is recorded, and a caller that retries gets it as a duplicate's reply.
+        """
         assert incoming.reply_to is not None
         reply = aio_pika.Message(
             result.encode(),
             content_type="application/json",
             correlation_id=incoming.correlation_id,
         )
-        await self._publish(reply, incoming.reply_to)
+        try:
+            await self._publish(reply, incoming.reply_to)
+        except aio_pika.exceptions.DeliveryError as exc:
+            logger.warning(
+                "RabbitMQ did not take the reply to %s (%s); the outcome stays recorded",
+                incoming.reply_to,
+                exc,
+                extra={"message_id": incoming.message_id},
+            )
 
 
 async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ DELETE FROM dedupe_claims AS c
  USING (SELECT scope, key FROM dedupe_claims
          WHERE status = ANY($1::text[]) AND status <> 'in_progress'
            AND updated_at < now() - make_interval(secs => $2)
-           AND ($3::text IS NULL OR scope = $3 OR scope LIKE $3 || '/%')
+           -- A scope and its tenants; not LIKE, in which a scope's _ and % would be wildcards.
+           AND ($3::text IS NULL OR scope = $3 OR starts_with(scope, $3 || '/'))
          LIMIT $4
            FOR UPDATE SKIP LOCKED) AS old
  WHERE c.scope = old.scope AND c.key = old.key

@@ -149,11 +149,12 @@ DELETE FROM dedupe_claims AS c
 
 -- name: list_claims
 -- Ages count from the current run's claim (claimed_at), not the key's first one.
+-- The scope filter is a scope and its tenants: starts_with, as LIKE would read _ and % as wildcards.
 SELECT scope, key, status, retryable, token, owner, attempts, lease_until, error,
        created_at, claimed_at, updated_at, expires_at,
        extract(epoch FROM now() - claimed_at)::float8 AS age_s
   FROM dedupe_claims
- WHERE ($1::text IS NULL OR scope = $1 OR scope LIKE $1 || '/%')
+ WHERE ($1::text IS NULL OR scope = $1 OR starts_with(scope, $1 || '/'))
    AND ($2::text IS NULL OR status = $2)
    AND ($3::float8 IS NULL OR claimed_at < now() - make_interval(secs => $3))
  ORDER BY claimed_at DESC
