@@ -228,13 +228,15 @@ class Receiver:
         limit = self.body_limit(source)
         try:
             body = await read_body(request, limit)
-        except BodyTooLarge:
+        except BodyTooLarge as exc:
+            # Past the discard bound, close: uvicorn would read and drop the rest itself,
+            # however much the client sends.
             return problem(
                 413,
                 "payload-too-large",
                 "Payload too large",
                 f"the body is over {limit} bytes",
-                headers={"Connection": "close"},
+                headers=None if exc.drained else {"Connection": "close"},
             )
         except BadContentLength:
             return problem(

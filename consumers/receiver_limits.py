@@ -4,10 +4,12 @@ broker's own limit on a whole message."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from dedupe.webhooks import MAX_MESSAGE_ID_BYTES, Identity, WebhookSource
 
@@ -20,6 +22,13 @@ MAX_FORWARDED_HEADER_BYTES = 32 * 1024
 MESSAGE_OVERHEAD_BYTES = MAX_FORWARDED_HEADER_BYTES + 2 * (MAX_MESSAGE_ID_BYTES + 32) + 512
 # A broker limit that leaves less than this for a body is a configuration mistake.
 MIN_BODY_LIMIT_BYTES = 64 * 1024
+# A refused body is still read to its end, and dropped, if it ends within this many bytes past
+# the limit and this many seconds: a client sends the whole body before it reads the answer,
+# and a server that closes with bytes unread resets the connection, which destroys the 413
+# the client has not read yet (it would retry forever). Past either bound the 413 goes out
+# with Connection: close and the client may see the reset.
+DISCARD_BYTES = 16 * 1024 * 1024
+DISCARD_S = 10.0
 # Decimal digits only (str.isdigit() also takes "²"), and few enough for a 64-bit size.
 _CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 # The broker refuses the message itself (aiokafka, client- or broker-side): the same request
@@ -97,7 +106,11 @@ def too_large_for_broker(exc: BaseException) -> bool:
 
 
 class BodyTooLarge(Exception):
-    pass
+    """Over the limit; `drained`: the rest was read, so the connection can carry another."""
+
+    def __init__(self, *, drained: bool) -> None:
+        super().__init__()
+        self.drained = drained
 
 
 class BadContentLength(Exception):
@@ -105,24 +118,48 @@ class BadContentLength(Exception):
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused (before it is all read) once it is over `limit` bytes."""
+    """The raw body; over `limit` bytes it is refused, and what is left is read and dropped
+    (within DISCARD_BYTES and DISCARD_S), never kept."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not _CONTENT_LENGTH.fullmatch(declared):
             raise BadContentLength
         if int(declared) > limit:
-            raise BodyTooLarge
+            # A client waiting for "100 Continue" sends no body unless we read (the server
+            # answers 100 at the first read); one declared past the bound is not waited for.
+            waiting = "100-continue" in request.headers.get("expect", "").lower()
+            if waiting or int(declared) > limit + DISCARD_BYTES:
+                raise BodyTooLarge(drained=False)
+            raise BodyTooLarge(drained=await _discard(request.stream(), limit + DISCARD_BYTES))
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
+    async with contextlib.aclosing(request.stream()) as stream:
+        async for chunk in stream:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(drained=await _discard(stream, limit + DISCARD_BYTES - size))
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
+async def _discard(stream: AsyncGenerator[bytes, None], budget: int) -> bool:
+    """Read and drop the rest of `stream`: True once it ended, False past `budget` bytes or
+    DISCARD_S seconds, or when the client went away."""
+    async with contextlib.aclosing(stream):
+        try:
+            async with asyncio.timeout(DISCARD_S):
+                async for chunk in stream:
+                    budget -= len(chunk)
+                    if budget < 0:
+                        return False
+        except (TimeoutError, ClientDisconnect):
+            return False
+    return True
+
+
 __all__ = [
+    "DISCARD_BYTES",
+    "DISCARD_S",
     "MAX_FORWARDED_HEADER_BYTES",
     "MESSAGE_OVERHEAD_BYTES",
     "MIN_BODY_LIMIT_BYTES",
