@@ -1,0 +1,140 @@
+"""Transports and servers plug in by entry point: the core finds a broker's by its URL's scheme.
+
+A broker package (ours in `consumers/`, or a third party's: NATS, Redis Streams, SQS) registers
+a `TransportPlugin` in its `pyproject.toml`::
+
+    [project.entry-points."dedupe.transports"]
+    amqp = "consumers.rabbitmq:plugin"
+
+and the HTTP servers the CLI starts (`receive`, `status --serve`) register under
+`dedupe.servers`. Nothing in `dedupe/` imports a broker client or an HTTP library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import cache
+from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .errors import ConfigurationError
+from .transport import Publisher, Transport
+
+if TYPE_CHECKING:
+    from .app import App
+    from .settings import Settings
+
+TRANSPORTS = "dedupe.transports"
+SERVERS = "dedupe.servers"
+
+# (body, headers, message_id) triples, as `dlq replay` and the tests publish them.
+Messages = Sequence[tuple[bytes, Mapping[str, Any], str | None]]
+Release = Callable[[str, str], Awaitable[object]]
+
+
+class BrokerAdmin(Protocol):
+    """What the operator commands (`dlq list|replay`) and tests ask of a broker."""
+
+    async def peek_dead_letters(self, channel: str, *, limit: int) -> list[dict[str, Any]]:
+        """Up to `limit` dead letters (message_id, reason, detail, scope, key), left in place."""
+        ...
+
+    async def replay_dead_letters(
+        self, channel: str, *, limit: int, release: Release | None = None
+    ) -> list[dict[str, Any]]:
+        """Move up to `limit` dead letters back to the channel (dedupe.replay says how)."""
+        ...
+
+    async def publish(self, channel: str, messages: Messages) -> int:
+        """Publish with confirms (declaring the channel first); return how many."""
+        ...
+
+    async def delete_channels(self, channels: Sequence[str]) -> int:
+        """Delete the channels' queues or topics with whatever they hold."""
+        ...
+
+
+class TransportPlugin(Protocol):
+    """A broker's entry point: its transport, publisher and admin client for one URL."""
+
+    name: str  # shown to people: "RabbitMQ", "Kafka"
+    # Errors that mean "the broker is not reachable" (the CLI says where and what to do).
+    unreachable: tuple[type[BaseException], ...]
+    # Whether the dead-letter queue is a log that replay leaves in place (Kafka) or a queue.
+    dead_letters_kept: bool
+
+    def transport(self, settings: Settings, *, app_name: str | None = None) -> Transport:
+        """A consumer for `settings.broker_url`."""
+        ...
+
+    def publisher(self, settings: Settings) -> Publisher:
+        """A confirming publisher for `settings.broker_url` (the webhook receiver's)."""
+        ...
+
+    def admin(self, url: str) -> BrokerAdmin:
+        """The operator's client for `url`."""
+        ...
+
+
+# An HTTP server the CLI runs until `stop` is set: the webhook receiver, the status page.
+Server = Callable[["App | None", "Settings", asyncio.Event], Awaitable[None]]
+
+
+def scheme_of(url: str) -> str:
+    scheme, sep, _ = url.partition("://")
+    return scheme.lower() if sep else ""
+
+
+@cache
+def _registered(group: str) -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def transport_plugin(url: str) -> TransportPlugin:
+    """The plugin registered for the URL's scheme; ConfigurationError says what to install."""
+    scheme = scheme_of(url)
+    found = _registered(TRANSPORTS)
+    entry = found.get(scheme)
+    if entry is None:
+        known = ", ".join(f"{name}://" for name in sorted(found)) or "none"
+        raise ConfigurationError(
+            f"no transport is installed for {scheme or url!r} URLs (installed: {known}); "
+            "install the broker's package, e.g. pip install 'dedupe-worker[rabbitmq]' or "
+            "'dedupe-worker[kafka]'"
+        )
+    return _load(entry, f"the {scheme}:// transport")  # type: ignore[no-any-return]
+
+
+def server(name: str) -> Server:
+    """The HTTP server registered as `name` (receiver, status)."""
+    entry = _registered(SERVERS).get(name)
+    if entry is None:
+        raise ConfigurationError(
+            f"the {name} server is not installed: pip install 'dedupe-worker[receiver]'"
+        )
+    return _load(entry, f"the {name} server")  # type: ignore[no-any-return]
+
+
+def _load(entry: EntryPoint, what: str) -> Any:
+    try:
+        return entry.load()
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"{what} ({entry.value}) cannot be loaded: {exc}. Install its extra, e.g. "
+            "pip install 'dedupe-worker[rabbitmq,kafka,receiver]'"
+        ) from exc
+
+
+__all__ = [
+    "SERVERS",
+    "TRANSPORTS",
+    "BrokerAdmin",
+    "Messages",
+    "Release",
+    "Server",
+    "TransportPlugin",
+    "scheme_of",
+    "server",
+    "transport_plugin",
+]
