@@ -1,6 +1,10 @@
 """The chaos suite's app: one database effect (through ctx.db) and one call to a stand-in
 external service per key, plus a test hook that SIGKILLs the worker at a failpoint.
 
+Keys come from the body (`id`) and tenants from the `X-Tenant` header, where hostile values
+can live (an AMQP message id holds at most 255 bytes, a header or body much more). A body with
+`"result": "nul" | "surrogate" | "nan"` makes the handler return a value jsonb cannot hold.
+
 Test-only configuration, read when the module is imported by a worker process:
   CHAOS_CHANNEL      the channel (each scenario has its own)
   CHAOS_LEASE_S      the handler's lease
@@ -26,6 +30,11 @@ app = App("chaos")
 CHANNEL = os.environ.get("CHAOS_CHANNEL", "chaos")
 LEASE_S = float(os.environ.get("CHAOS_LEASE_S", "2"))
 API_KEY = "chaos-api-key"  # the receiver scenario's sender authenticates with it
+SCOPE = f"{app.name}.work"  # the handler's scope; each tenant's claims are under SCOPE/<tenant>
+
+# What the handler returns for a body's "result", and what jsonb holds of it.
+HOSTILE_RESULTS: dict[str, object] = {"nul": "a\x00b", "surrogate": "a\ud800b", "nan": float("nan")}
+STORED_RESULTS: dict[str, object] = {"nul": "a\ufffdb", "surrogate": "a\ufffdb", "nan": None}
 
 # The receiver scenario: POST /webhooks/chaos with Idempotency-Key, forwarded to the channel.
 # The receiver's lease must outlast its publish timeout (5 s).
@@ -37,6 +46,7 @@ class Work(BaseModel):
     v: int
     poison: bool = False
     sleep_s: float = 0.0
+    result: str | None = None  # a key of HOSTILE_RESULTS
 
 
 class PoisonError(Exception):
@@ -67,15 +77,29 @@ class ExternalService:
 
 external = ExternalService()
 
+_FAILPOINT = os.environ.get("CHAOS_FAILPOINT")
+_FUSE = os.environ.get("CHAOS_FUSE", "")
+
+
+def _take(fuse: str) -> bool:
+    """Take the fuse if it is there (an atomic rename: only one process gets it)."""
+    try:
+        os.rename(fuse, f"{fuse}.taken-by-{os.getpid()}")
+    except FileNotFoundError:
+        return False  # not wanted now, or another worker took it
+    return True
+
 
 @app.handler(
     CHANNEL,
+    key="body:id",
+    scope="header:X-Tenant",
     lease_s=LEASE_S,
     max_attempts=5,
     backoff_s=0.05,
     max_backoff_s=0.2,
 )
-async def work(payload: Work, ctx: Context) -> int:
+async def work(payload: Work, ctx: Context) -> int | dict[str, object]:
     if payload.poison:
         raise PoisonError(f"{payload.id} always fails")
     await asyncio.sleep(payload.sleep_s)
@@ -86,21 +110,17 @@ async def work(payload: Work, ctx: Context) -> int:
         payload.v,
         os.getpid(),
     )
+    if payload.result is not None:
+        return {"v": payload.v, "note": HOSTILE_RESULTS[payload.result]}
     return payload.v
 
-
-_FAILPOINT = os.environ.get("CHAOS_FAILPOINT")
-_FUSE = os.environ.get("CHAOS_FUSE", "")
 
 if _FAILPOINT and _FUSE:
 
     @app.hook(_FAILPOINT)
     async def failpoint(stage: str, message: Message, scope: str, key: str) -> None:
-        try:
-            os.rename(_FUSE, f"{_FUSE}.taken-by-{os.getpid()}")
-        except FileNotFoundError:
-            return  # no kill wanted now, or another worker took it
-        os.kill(os.getpid(), signal.SIGKILL)
+        if _take(_FUSE):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 SCHEMA = """
