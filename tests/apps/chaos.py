@@ -12,6 +12,9 @@ Test-only configuration, read when the module is imported by a worker process:
   CHAOS_FUSE         a path the test creates when it wants the next kill: the first worker
                      to pass the failpoint while it exists takes it (an atomic rename) and
                      SIGKILLs itself, so the test paces the kills over the whole stream
+  CHAOS_SLOW_FUSE    a path the test creates when it wants the next run to be slow: the first
+                     run to start while it exists takes it (renamed to `<path>.taken-by-<pid>`,
+                     so the test knows which worker) and sleeps CHAOS_SLOW_S seconds
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dedupe.webhooks import api_key
 app = App("chaos")
 CHANNEL = os.environ.get("CHAOS_CHANNEL", "chaos")
 LEASE_S = float(os.environ.get("CHAOS_LEASE_S", "2"))
+SLOW_S = float(os.environ.get("CHAOS_SLOW_S", "3"))
 API_KEY = "chaos-api-key"  # the receiver scenario's sender authenticates with it
 SCOPE = f"{app.name}.work"  # the handler's scope; each tenant's claims are under SCOPE/<tenant>
 
@@ -79,6 +83,7 @@ external = ExternalService()
 
 _FAILPOINT = os.environ.get("CHAOS_FAILPOINT")
 _FUSE = os.environ.get("CHAOS_FUSE", "")
+_SLOW_FUSE = os.environ.get("CHAOS_SLOW_FUSE", "")
 
 
 def _take(fuse: str) -> bool:
@@ -102,6 +107,8 @@ def _take(fuse: str) -> bool:
 async def work(payload: Work, ctx: Context) -> int | dict[str, object]:
     if payload.poison:
         raise PoisonError(f"{payload.id} always fails")
+    if _SLOW_FUSE and _take(_SLOW_FUSE):
+        await asyncio.sleep(SLOW_S)
     await asyncio.sleep(payload.sleep_s)
     await external.call(idempotency_key=ctx.key, business_key=payload.id)
     await ctx.db.execute(
