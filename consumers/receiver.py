@@ -31,7 +31,6 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 # An `X as X` import re-exports a name that callers have always imported from this module.
-from consumers.receiver_intake import RECLAIM_TRIES as RECLAIM_TRIES
 from consumers.receiver_intake import Intake, log_fields
 from consumers.receiver_limits import MAX_FORWARDED_HEADER_BYTES as MAX_FORWARDED_HEADER_BYTES
 from consumers.receiver_limits import MESSAGE_OVERHEAD_BYTES as MESSAGE_OVERHEAD_BYTES

@@ -16,16 +16,25 @@ from starlette.responses import Response
 from consumers.receiver_limits import too_large_for_broker
 from consumers.receiver_replies import Reply, accepted, in_flight, problem, unavailable
 from dedupe.activity import Activity
+from dedupe.claiming import (
+    Claims,
+    Conflict,
+    Duplicate,
+    InFlight,
+    Ours,
+    Terms,
+    Unavailable,
+    Unclaimable,
+    Verdict,
+)
 from dedupe.metrics import Metrics
-from dedupe.store import Claim, ClaimRequest, ClaimStore, Fence
+from dedupe.store import ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Publisher
 from dedupe.webhooks import Identity, WebhookSource
 
 # Every line the receiver logs comes from one logger, whichever module writes it: operators
 # and the tests select the receiver's lines by this name.
 logger = logging.getLogger("consumers.receiver")
-
-RECLAIM_TRIES = 3
 
 
 def log_fields(source: WebhookSource, identity: Identity | None, outcome: str) -> dict[str, str]:
@@ -53,44 +62,41 @@ class Intake:
     ) -> Response:
         """Claim the key and publish, or answer for the claim someone else holds."""
         request = ClaimRequest(identity.scope, identity.key, hashlib.sha256(body).digest())
-        for _ in range(RECLAIM_TRIES):
-            started = time.perf_counter()
-            try:
-                async with asyncio.timeout(self.store_timeout_s):
-                    [claim] = await self.store.claim_batch(
-                        [request], lease_s=source.lease_s, retention_s=source.retention_s
-                    )
-            except Exception as exc:
-                # StoreError, our timeout, or whatever else the driver raised: an outage of
-                # ours. A claim that committed just as the timeout struck lapses with its lease.
-                self.stats["store_unavailable"] += 1
-                logger.warning(
-                    "webhook %s: claiming key %s failed (%s: %s)",
-                    source.name,
-                    identity.key,
-                    exc.__class__.__name__,
-                    exc,
-                    extra=log_fields(source, identity, "store_unavailable"),
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.store_timeout_s):
+                verdict = await Claims(self.store).claim_one(
+                    Terms(source.lease_s, source.retention_s), request
                 )
-                return unavailable("store-unavailable", "the claim store is unavailable")
-            self.metrics.claimed(source.scope, time.perf_counter() - started, 1)
-            if claim.owned:
-                return await self._publish(source, identity, claim, forward, body)
-            if claim.status is not None:
-                return self._answer_for(source, identity, claim)
-            # The row vanished between our insert and our look (clean-up): claim again.
-        return in_flight()
+        except Exception as exc:
+            # Our timeout, or whatever else the driver raised: an outage of ours. A claim that
+            # committed just as the timeout struck lapses with its lease.
+            verdict = Unavailable(f"{exc.__class__.__name__}: {exc}")
+        if isinstance(verdict, Unavailable):
+            self.stats["store_unavailable"] += 1
+            logger.warning(
+                "webhook %s: claiming key %s failed (%s)",
+                source.name,
+                identity.key,
+                verdict.error,
+                extra=log_fields(source, identity, "store_unavailable"),
+            )
+            return unavailable("store-unavailable", "the claim store is unavailable")
+        self.metrics.claimed(source.scope, time.perf_counter() - started, 1)
+        if isinstance(verdict, Ours):
+            return await self._publish(source, identity, verdict, forward, body)
+        return self._answer_for(source, identity, verdict)
 
-    def _answer_for(self, source: WebhookSource, identity: Identity, claim: Claim) -> Response:
+    def _answer_for(self, source: WebhookSource, identity: Identity, verdict: Verdict) -> Response:
         """The reply to a key we do not own: replay, conflict or come back later."""
-        if claim.same_payload is False:
+        if isinstance(verdict, Conflict):
             self.stats["conflicts"] += 1
             if self.activity is not None:
-                self.activity.conflict(claim.scope, claim.key, "webhook body differs: 422")
+                self.activity.conflict(identity.scope, identity.key, "webhook body differs: 422")
             logger.info(
                 "webhook %s: key %s reused with another body: 422",
                 source.name,
-                claim.key,
+                identity.key,
                 extra=log_fields(source, identity, "conflict"),
             )
             return problem(
@@ -99,21 +105,23 @@ class Intake:
                 "Idempotency key reused",
                 "this idempotency key was used with another body; use a new key",
             )
-        if claim.status == "in_progress":
+        if isinstance(verdict, InFlight):
             self.stats["in_flight"] += 1
             return in_flight()
-        stored = Reply.from_result(claim.result)
+        if isinstance(verdict, Unclaimable):
+            return problem(400, "invalid-key", "Invalid idempotency key", verdict.detail)
+        stored = Reply.from_result(verdict.result) if isinstance(verdict, Duplicate) else None
         if stored is None:
-            # A completed key of this scope without a stored reply was not completed by a
+            # A finished key of this scope without a stored reply was not completed by a
             # receiver; the publish happened once, so answer as the publish would have.
             stored = accepted(source, identity)
         self.stats["replayed"] += 1
         if self.activity is not None:
-            self.activity.duplicate(claim.scope)
+            self.activity.duplicate(identity.scope)
         logger.debug(
             "webhook %s: replayed key %s",
             source.name,
-            claim.key,
+            identity.key,
             extra=log_fields(source, identity, "replayed"),
         )
         return stored.response(replayed=True)
@@ -122,28 +130,27 @@ class Intake:
         self,
         source: WebhookSource,
         identity: Identity,
-        claim: Claim,
+        ours: Ours,
         forward: dict[str, str],
         body: bytes,
     ) -> Response:
-        assert claim.token is not None
-        fence = Fence(claim.scope, claim.key, claim.token)
+        fence = ours.fence
         try:
             async with asyncio.timeout(self.publish_timeout_s):
                 await self.publisher.publish(
                     source.channel, body, message_id=identity.message_id, headers=forward
                 )
         except asyncio.CancelledError:
-            await asyncio.shield(self._give_back(fence, claim.attempts))
+            await asyncio.shield(self._give_back(fence, ours.attempts))
             raise
         except Exception as exc:
-            await self._give_back(fence, claim.attempts)
+            await self._give_back(fence, ours.attempts)
             if too_large_for_broker(exc):
                 self.stats["broker_refused"] += 1
                 logger.info(
                     "webhook %s: the broker refused key %s for its size (%s): 413",
                     source.name,
-                    claim.key,
+                    fence.key,
                     exc.__class__.__name__,
                     extra=log_fields(source, identity, "broker_refused"),
                 )
@@ -161,7 +168,7 @@ class Intake:
                 source.channel,
                 exc.__class__.__name__,
                 exc,
-                claim.key,
+                fence.key,
                 extra=log_fields(source, identity, "broker_unavailable"),
             )
             return unavailable("broker-unavailable", "the broker did not confirm the message")
@@ -175,7 +182,7 @@ class Intake:
             logger.warning(
                 "webhook %s: key %s published but its reply was not stored (%s: %s)",
                 source.name,
-                claim.key,
+                fence.key,
                 exc.__class__.__name__,
                 exc,
                 extra=log_fields(source, identity, "reply_not_stored"),
@@ -184,7 +191,7 @@ class Intake:
         logger.debug(
             "webhook %s: accepted key %s -> %s",
             source.name,
-            claim.key,
+            fence.key,
             source.channel,
             extra=log_fields(source, identity, "accepted"),
         )
@@ -205,4 +212,4 @@ class Intake:
             )
 
 
-__all__ = ["RECLAIM_TRIES", "Intake", "log_fields"]
+__all__ = ["Intake", "log_fields"]

@@ -10,6 +10,7 @@ from .app import App, Handler
 from .context import Context, Database
 from .errors import DedupeError, Reject, Retry
 from .message import Headers, Message
+from .worker import Worker
 
 __all__ = [
     "App",
@@ -21,5 +22,6 @@ __all__ = [
     "Message",
     "Reject",
     "Retry",
+    "Worker",
 ]
 __version__ = "0.1.0"

@@ -31,7 +31,7 @@ class Activity(FlushingObserver):
         self._events: list[tuple[str, str, str, str]] = []
         self._q = queries("operations.sql")
 
-    def settled(
+    def concluded(
         self,
         handler: str,
         scope: str,

@@ -127,7 +127,7 @@ class Metrics(Observer):
             child = self._timers[(handler, result)] = self.handler_seconds.labels(handler, result)
         child.observe(seconds)
 
-    def settled(
+    def concluded(
         self,
         handler: str,
         scope: str,

@@ -40,7 +40,7 @@ class Observer:
     def ran(self, handler: str, seconds: float, *, ok: bool) -> None:
         """One run of `handler` (one attempt) took `seconds`."""
 
-    def settled(
+    def concluded(
         self,
         handler: str,
         scope: str,
@@ -75,7 +75,7 @@ class Observers(Observer):
             except Exception:
                 logger.exception("observer %r failed", member)
 
-    def settled(
+    def concluded(
         self,
         handler: str,
         scope: str,
@@ -86,7 +86,7 @@ class Observers(Observer):
     ) -> None:
         for member in self.members:
             try:
-                member.settled(handler, scope, key, message, settlement, started)
+                member.concluded(handler, scope, key, message, settlement, started)
             except Exception:
                 logger.exception("observer %r failed", member)
 
@@ -94,7 +94,7 @@ class Observers(Observer):
 class OutcomeLog(Observer):
     """One line per message and handler: DEBUG for the usual, WARNING for dead letters."""
 
-    def settled(
+    def concluded(
         self,
         handler: str,
         scope: str,

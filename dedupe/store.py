@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
 from tenacity import (
@@ -20,54 +18,28 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from .database import (
+    GC_LOCK_ID,
+    MIGRATE_LOCK_ID,
+    TRANSIENT_ERRORS,
+    VALUE_ERRORS,
+    connect_pool,
+    loopback_without_tls,
+    migrate,
+    redact,
+    said,
+)
 from .errors import StoreError
-from .sql import migrations, queries
+from .sql import queries
 from .values import dropped_result, storable_text
 
 logger = logging.getLogger(__name__)
-
-GC_LOCK_ID = 0x6465_6475_7065  # "dedupe": one clean-up at a time across all workers
-MIGRATE_LOCK_ID = GC_LOCK_ID + 1
-
-# Errors after which the same statement may simply be sent again.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    OSError,
-    ConnectionError,
-    asyncpg.InterfaceError,
-    # Raised by the pool when it resets a connection the server has just terminated.
-    asyncpg.InternalClientError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.DeadlockDetectedError,
-    asyncpg.SerializationError,
-    asyncpg.CannotConnectNowError,
-    asyncpg.AdminShutdownError,
-    asyncpg.QueryCanceledError,
-)
-
-
-# PostgreSQL refused a value, not the statement: SQLSTATE class 22 (data exception: NUL,
-# invalid input, out of range; asyncpg raises it too for an argument it cannot encode) and 54
-# (program limit exceeded: an index row too large, nesting too deep). A batched statement
-# refused so is split until only the items carrying such a value are left out.
-VALUE_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.DataError,
-    asyncpg.ProgramLimitExceededError,
-)
 
 T = TypeVar("T")
 
 
 class ValueRefused(StoreError):
     """PostgreSQL refused a value of the statement (not the connection, not the statement)."""
-
-
-def redact(dsn: str) -> str:
-    """The DSN without its password, fit for logs and error messages."""
-    parts = urlsplit(dsn)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return dsn
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +127,7 @@ class ClaimStore:
         except TRANSIENT_ERRORS as exc:
             raise StoreError(f"{name} failed: {exc.__class__.__name__}: {exc}") from exc
         except VALUE_ERRORS as exc:
-            raise ValueRefused(f"{name}: PostgreSQL refused a value: {_said(exc)}") from exc
+            raise ValueRefused(f"{name}: PostgreSQL refused a value: {said(exc)}") from exc
         except asyncpg.PostgresError as exc:
             raise StoreError(f"{name} was refused by PostgreSQL: {exc}") from exc
 
@@ -175,15 +147,6 @@ class ClaimStore:
         rows, refused = await self._each(items[:middle], send)
         more_rows, more_refused = await self._each(items[middle:], send)
         return rows + more_rows, refused + more_refused
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[asyncpg.Connection]:
-        """A pooled connection inside a transaction (commit on success, roll back on error)."""
-        try:
-            async with self.pool.acquire() as conn, conn.transaction():
-                yield conn
-        except TRANSIENT_ERRORS as exc:
-            raise StoreError(f"transaction failed: {exc.__class__.__name__}: {exc}") from exc
 
     # -- the claim protocol ----------------------------------------------------------
 
@@ -396,9 +359,6 @@ class ClaimStore:
         rows = await self._fetch("show_claim", scope, key)
         return dict(rows[0]) if rows else None
 
-    async def count_by_status(self) -> list[dict[str, Any]]:
-        return [dict(row) for row in await self._fetch("count_by_status")]
-
 
 def _claim_of(row: asyncpg.Record) -> Claim:
     token = row["token"]
@@ -422,99 +382,18 @@ def _claim_of(row: asyncpg.Record) -> Claim:
     )
 
 
-def _said(exc: BaseException) -> str:
-    """What PostgreSQL (or asyncpg) said, on one line, fit for a header or a log."""
-    return storable_text(" ".join(str(exc).split()), 300)
-
-
-class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
-    """A pooled connection that skips the pool's reset after the store's own statements.
-
-    asyncpg resets every released connection with one more round trip (advisory locks,
-    cursors, LISTEN, session settings). The claim statements touch none of these, so the store
-    marks the connection clean just before releasing it; a connection handed to a handler as
-    `ctx.db`, or used for anything else, is never marked and is reset as usual.
-    """
-
-    _dedupe_clean = False
-
-    def mark_clean(self) -> None:
-        self._dedupe_clean = True
-
-
-async def _reset(conn: asyncpg.Connection) -> None:
-    """The pool's reset, skipped for a connection the store marked clean."""
-    if getattr(conn, "_dedupe_clean", False):
-        conn._dedupe_clean = False
-        return
-    query = conn.get_reset_query()
-    if query:
-        await conn.execute(query)
-
-
-def loopback_without_tls(dsn: str) -> bool:
-    """Whether to connect without TLS: the host is this machine and nothing asks for TLS.
-
-    asyncpg's default `sslmode=prefer` negotiates TLS even on 127.0.0.1, where it only costs
-    CPU (measured in BENCHMARKS.md). An explicit sslmode in the URL or PGSSLMODE wins.
-    """
-    parts = urlsplit(dsn)
-    if "sslmode" in parse_qs(parts.query) or os.environ.get("PGSSLMODE"):
-        return False
-    return parts.hostname in ("127.0.0.1", "::1", "localhost")
-
-
-async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
-    """Create a pool or raise StoreError that says how to reach the database."""
-    try:
-        pool = await asyncpg.create_pool(
-            dsn,
-            min_size=min_size,
-            max_size=max_size,
-            timeout=10,
-            server_settings={"application_name": "dedupe-worker"},
-            connection_class=StoreConnection,
-            reset=_reset,
-            **({"ssl": False} if loopback_without_tls(dsn) else {}),
-        )
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        raise StoreError(
-            f"cannot connect to PostgreSQL at {redact(dsn)}: {exc}. Is it running "
-            "(`make services`)? Set the URL with --database or DEDUPE_DATABASE_URL."
-        ) from exc
-    assert pool is not None
-    return pool
-
-
-async def migrate(dsn: str) -> list[str]:
-    """Apply the numbered migrations not yet applied; return the names applied."""
-    applied: list[str] = []
-    try:
-        conn = await asyncpg.connect(dsn, timeout=10)
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        raise StoreError(
-            f"cannot connect to PostgreSQL at {redact(dsn)}: {exc}. Is it running "
-            "(`make services`)? Set the URL with --database or DEDUPE_DATABASE_URL."
-        ) from exc
-    try:
-        async with conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATE_LOCK_ID)
-            await conn.execute(
-                "CREATE TABLE IF NOT EXISTS dedupe_migrations ("
-                " version integer PRIMARY KEY, name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            done = {r["version"] for r in await conn.fetch("SELECT version FROM dedupe_migrations")}
-            for version, name, sql in migrations():
-                if version in done:
-                    continue
-                await conn.execute(sql)
-                await conn.execute(
-                    "INSERT INTO dedupe_migrations (version, name) VALUES ($1, $2)", version, name
-                )
-                applied.append(f"{version:04d}_{name}")
-    except asyncpg.PostgresError as exc:
-        raise StoreError(f"migration failed: {exc}") from exc
-    finally:
-        await conn.close()
-    return applied
+__all__ = [
+    "GC_LOCK_ID",
+    "MIGRATE_LOCK_ID",
+    "TRANSIENT_ERRORS",
+    "VALUE_ERRORS",
+    "Claim",
+    "ClaimRequest",
+    "ClaimStore",
+    "Fence",
+    "ValueRefused",
+    "connect_pool",
+    "loopback_without_tls",
+    "migrate",
+    "redact",
+]

@@ -5,15 +5,16 @@ the API but no SDK configured, spans are not recorded and nothing is written eit
 
 Each span (`dedupe.process <handler>`, kind CONSUMER) continues the producer's trace when
 the message carries a W3C `traceparent` header, starts when its batch arrived and ends when
-the pipeline settled it, with the attributes `dedupe.scope`, `dedupe.key`, `dedupe.outcome`,
-`dedupe.reason`, `messaging.message.id` and `dedupe.attempt`. The trace id of the run that
-completed a key is stored with the claim (`trace_id`); a duplicate's span gets it as
+the pipeline concluded its outcome, with the attributes `dedupe.scope`, `dedupe.key`,
+`dedupe.outcome`, `dedupe.reason`, `messaging.message.id` and `dedupe.attempt`. The trace id of
+the run that completed a key is stored with the claim (`trace_id`); a duplicate's span gets it as
 `dedupe.original_trace_id`, so it points at the run that did the work. Both writes are
 batched every `interval_s` by a background task, never made per message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -50,7 +51,7 @@ def tracer_for(
 
 
 class Tracing(FlushingObserver):
-    """Records a span per settled message; an async context manager for its writer task."""
+    """Records a span per message concluded; an async context manager for its writer task."""
 
     task_name = "dedupe-tracing"
 
@@ -62,8 +63,11 @@ class Tracing(FlushingObserver):
         self._completed: list[tuple[str, str, str]] = []
         self._duplicates: list[tuple[str, str, Any]] = []
         self._q = queries("operations.sql")
+        # One flush at a time: a flush asked for while the background one writes waits for it,
+        # so a duplicate's span never looks for a trace id still being written.
+        self._flushing = asyncio.Lock()
 
-    def settled(
+    def concluded(
         self,
         handler: str,
         scope: str,
@@ -110,6 +114,10 @@ class Tracing(FlushingObserver):
 
     async def flush(self) -> None:
         """Store completed runs' trace ids; point duplicates' spans at them and end those."""
+        async with self._flushing:
+            await self._flush()
+
+    async def _flush(self) -> None:
         completed, self._completed = self._completed, []
         duplicates, self._duplicates = self._duplicates, []
         try:

@@ -166,9 +166,3 @@ SELECT scope, key, encode(payload_hash, 'hex') AS payload_hash, status, retryabl
        lease_until > now() AS lease_live
   FROM dedupe_claims
  WHERE scope = $1 AND key = $2;
-
--- name: count_by_status
-SELECT scope, status, count(*)::bigint AS n
-  FROM dedupe_claims
- GROUP BY scope, status
- ORDER BY scope, status;

@@ -1,0 +1,227 @@
+"""The in-process API: run an app on a broker and a database inside your own service.
+
+    from dedupe import Worker
+
+    async with Worker(app, broker_url="amqp://guest:guest@127.0.0.1/",
+                      database_url="postgresql://...") as worker:
+        await worker.wait()          # or serve your API meanwhile (a FastAPI lifespan)
+
+Leaving the block stops gracefully: no new deliveries, claims not yet running are given back
+at once, runs under way get `shutdown_timeout_s`, then their keys are given back too.
+`dedupe-worker run` is this, plus signal handling, metrics and the progress line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from . import tracing
+from .activity import Activity
+from .app import App
+from .database import connect_pool, redact
+from .errors import ConfigurationError, DedupeError
+from .observe import Observer
+from .outcomes import Stats
+from .pipeline import Processor
+from .plugins import transport_plugin
+from .settings import Settings
+from .store import ClaimStore
+from .transport import Transport
+
+logger = logging.getLogger("dedupe.worker")
+
+T = TypeVar("T")
+
+
+async def retrying(what: str, connect: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+    """Connect, retrying with backoff for up to timeout_s: services may start after us."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.5
+    while True:
+        try:
+            return await connect()
+        except (OSError, DedupeError, ConnectionError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            logger.warning("%s not reachable yet (%s); retrying in %.1fs", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def check_migrated(store: ClaimStore) -> None:
+    """Raise ConfigurationError when the database has no claims table."""
+    present = await store.pool.fetchval("SELECT to_regclass('dedupe_claims') IS NOT NULL")
+    if not present:
+        raise ConfigurationError(
+            "the claims table does not exist in this database; run `dedupe-worker migrate` first"
+        )
+
+
+def broker_unreachable(settings: Settings, exc: BaseException) -> DedupeError:
+    """The error to show when the broker cannot be reached: where, why, and what to do."""
+    return DedupeError(
+        f"cannot reach the broker at {redact(settings.broker_url)}: {exc}. Is it "
+        "running (`make services`)? Set the URL with --broker or DEDUPE_BROKER_URL."
+    )
+
+
+class Worker:
+    """An app consuming its channels in this event loop until the `async with` block ends.
+
+    Every worker records its activity for operators (duplicates, conflicts: `dedupe-worker
+    status`, the status page) and traces with OpenTelemetry when it is installed.
+
+    Args:
+        app: The handlers to run.
+        settings: Every option (dedupe.settings.Settings); keyword arguments override its
+            fields (broker_url=, database_url=, concurrency=, ...). Without settings they are
+            read from the DEDUPE_* variables.
+        observers: Metrics, or your own dedupe.observe.Observer.
+        transport: A transport to use instead of the one the broker URL's scheme names.
+    """
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        settings: Settings | None = None,
+        observers: Sequence[Observer] = (),
+        transport: Transport | None = None,
+        **options: Any,
+    ) -> None:
+        if settings is None:
+            self.settings = Settings(**options)  # the DEDUPE_* variables, then these
+        else:
+            self.settings = (
+                Settings(**{**settings.model_dump(), **options}) if options else settings
+            )
+        self.app = app
+        self._observers = list(observers)
+        self._transport = transport
+        self._processor: Processor | None = None
+        self._serving: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._stopped = False
+        self._resources = contextlib.AsyncExitStack()
+
+    @property
+    def processor(self) -> Processor:
+        """The pipeline (its stats stay readable after the worker stopped)."""
+        if self._processor is None:
+            raise RuntimeError("the worker has not started: use `async with Worker(...)`")
+        return self._processor
+
+    @property
+    def stats(self) -> Stats:
+        return self.processor.stats
+
+    async def __aenter__(self) -> Worker:
+        settings = self.settings
+        try:
+            if self._transport is None:
+                plugin = transport_plugin(settings.broker_url)
+                self._transport = plugin.transport(settings, app_name=self.app.name)
+            pool = await retrying(
+                "PostgreSQL",
+                lambda: connect_pool(settings.database_url, max_size=settings.concurrency + 4),
+                settings.connect_timeout_s,
+            )
+            self._resources.push_async_callback(pool.close)
+            store = ClaimStore(pool, owner=settings.worker_name)
+            await check_migrated(store)
+            activity = await self._resources.enter_async_context(Activity(store))
+            observers: list[Observer] = [activity, *self._observers]
+            tracer = tracing.tracer_for(store)
+            if tracer is not None:
+                observers.append(await self._resources.enter_async_context(tracer))
+            self._processor = await self._resources.enter_async_context(
+                Processor(
+                    self.app,
+                    store,
+                    concurrency=settings.concurrency,
+                    gc_interval_s=settings.gc_interval_s or None,
+                    observers=observers,
+                )
+            )
+            self._resources.push_async_callback(self._transport.close)
+            await self._connect_broker()
+            self._serving = asyncio.create_task(
+                self._transport.serve(list(self.app.channels), self._processor.process, self._stop),
+                name="dedupe-serve",
+            )
+        except BaseException:
+            self._stopped = True
+            await self._resources.aclose()
+            raise
+        return self
+
+    async def _connect_broker(self) -> None:
+        transport, settings = self._transport, self.settings
+        connect: Callable[[], Awaitable[None]] | None = getattr(transport, "connect", None)
+        if connect is None:
+            return
+
+        async def attempt() -> None:
+            assert connect is not None
+            try:
+                await connect()
+            except Exception as exc:
+                raise broker_unreachable(settings, exc) from exc
+
+        await retrying("broker", attempt, settings.connect_timeout_s)
+
+    async def wait(self) -> None:
+        """Run until stop() or request_stop() (or the transport fails: its error is raised)."""
+        if self._serving is None:
+            raise RuntimeError("the worker has not started: use `async with Worker(...)`")
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({self._serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if self._serving.done() and not self._stop.is_set():
+            self._stop.set()
+            self._serving.result()  # the transport failed: raise its error
+
+    def request_stop(self) -> None:
+        """Stop taking deliveries and let wait() return; safe to call from a signal handler."""
+        self._stop.set()
+
+    async def stop(
+        self, *, timeout_s: float | None = None, now: asyncio.Event | None = None
+    ) -> None:
+        """Stop gracefully: runs under way get `timeout_s` (default: shutdown_timeout_s), or
+        less if `now` is set meanwhile (a second signal). Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        processor = self._processor
+        if processor is not None:
+            limit = self.settings.shutdown_timeout_s if timeout_s is None else timeout_s
+            drain = asyncio.create_task(processor.drain(timeout_s=limit))
+            forced = asyncio.ensure_future(now.wait()) if now is not None else None
+            await asyncio.wait(
+                {drain} if forced is None else {drain, forced},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not drain.done():
+                drain.cancel()
+                await processor.drain(timeout_s=0)
+            if forced is not None:
+                forced.cancel()
+        if self._serving is not None:
+            with contextlib.suppress(Exception):
+                await self._serving
+        await self._resources.aclose()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+__all__ = ["Worker", "broker_unreachable", "check_migrated", "retrying"]
