@@ -50,6 +50,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from dedupe.keys import MESSAGE_ID_HEADER
 from dedupe.settings import Settings
 from dedupe.transport import (
+    BODY_DROPPED_HEADER,
     DEAD_LETTER_HEADERS,
     Process,
     Settlement,
@@ -59,7 +60,6 @@ from dedupe.transport import (
 )
 
 from .kafka_clients import (
-    BODY_DROPPED_HEADER,
     ORIGIN_HEADER,
     KafkaOptions,
     KafkaPublisher,

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -25,22 +25,15 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 from dedupe.errors import ConfigurationError
 from dedupe.keys import MESSAGE_ID_HEADER
 from dedupe.message import Headers
-from dedupe.transport import (
-    DEAD_LETTER_HEADERS,
-    DETAIL_HEADER,
-    KEY_HEADER,
-    REASON_HEADER,
-    SCOPE_HEADER,
-    claim_to_release,
-    dlq_name,
-)
+from dedupe.replay import Release, ReplayPolicy, describe
+from dedupe.transport import BODY_DROPPED_HEADER, dlq_name
 
 logger = logging.getLogger(__name__)
 
 # Where a dead letter came from: "<topic>/<partition>/<offset>".
 ORIGIN_HEADER = "x-dedupe-origin"
-# On a dead letter written without its body (the broker refused the whole copy): why.
-BODY_DROPPED_HEADER = "x-dedupe-body-dropped"
+# The transport adds the origin besides the dead-letter headers; a replay strips both.
+REPLAY = ReplayPolicy(own_headers=(ORIGIN_HEADER,))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,11 +393,7 @@ async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[
 
 
 async def replay_dead_letters(
-    url: str,
-    channel: str,
-    *,
-    limit: int,
-    release: Callable[[str, str], Awaitable[object]] | None = None,
+    url: str, channel: str, *, limit: int, release: Release | None = None
 ) -> list[dict[str, Any]]:
     """Publish up to `limit` dead letters of <channel>.dlq back to the channel.
 
@@ -422,38 +411,38 @@ async def replay_dead_letters(
     records = await _pending_dead_letters(options, channel, limit=limit)
     if not records:
         return []
-    ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER, BODY_DROPPED_HEADER}
     moved: list[dict[str, Any]] = []
     async with KafkaPublisher(url) as publisher:
         pending = []
         for record in records:
             described = _describe_dead_letter(record)
-            if described["body_dropped"] is not None:
+            step = REPLAY.plan(dict(record.headers or ()), message_id=described["message_id"])
+            if step.skipped is not None:
                 logger.warning(
-                    "not replaying %s/%d/%d (from %s): it was dead-lettered without its body (%s)",
+                    "not replaying %s/%d/%d (from %s): %s",
                     record.topic,
                     record.partition,
                     record.offset,
                     described["origin"],
-                    described["body_dropped"],
+                    step.skipped,
                     extra={k: described[k] for k in ("scope", "key", "message_id", "reason")},
                 )
                 continue
-            claim = claim_to_release(Headers(dict(record.headers or ())))
-            if release is not None and claim is not None:
-                await release(*claim)
-            headers = {k: v for k, v in (record.headers or ()) if k not in ours}
-            message_id = headers.pop(MESSAGE_ID_HEADER, None)
-            pending.append(
-                await publisher.send(
+
+            async def send(headers: dict[str, Any], record: Any = record) -> asyncio.Future[Any]:
+                message_id = headers.pop(MESSAGE_ID_HEADER, None)
+                return await publisher.send(
                     channel,
                     record.value or b"",
                     message_id=message_id.decode() if message_id is not None else None,
                     headers=headers,
                     key=record.key,
                 )
-            )
-            moved.append({k: described[k] for k in ("message_id", "reason", "scope", "key")})
+
+            sent = await step.carry_out(release=release, republish=send)
+            assert sent is not None  # not skipped
+            pending.append(sent)
+            moved.append(step.row)
         await asyncio.gather(*pending)
     done: dict[TopicPartition, int] = {}
     for record in records:
@@ -477,11 +466,7 @@ async def replay_dead_letters(
 def _describe_dead_letter(record: Any) -> dict[str, Any]:
     headers = Headers(dict(record.headers or ()))
     return {
-        "message_id": headers.get(MESSAGE_ID_HEADER),
-        "reason": headers.get(REASON_HEADER, "?"),
-        "detail": headers.get(DETAIL_HEADER, ""),
-        "scope": headers.get(SCOPE_HEADER),
-        "key": headers.get(KEY_HEADER),
+        **describe(headers, message_id=headers.get(MESSAGE_ID_HEADER)),
         "origin": headers.get(ORIGIN_HEADER),
         "body_dropped": headers.get(BODY_DROPPED_HEADER),
         "record_key": record.key,

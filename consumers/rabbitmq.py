@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 try:
@@ -32,19 +32,14 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 from dedupe.errors import DedupeError
 from dedupe.message import Headers, Message
+from dedupe.replay import Release, ReplayPolicy, describe
 from dedupe.store import redact
 from dedupe.transport import (
-    DEAD_LETTER_HEADERS,
-    DETAIL_HEADER,
-    KEY_HEADER,
-    REASON_HEADER,
-    SCOPE_HEADER,
     Action,
     Delivery,
     Process,
     Settlement,
     Transport,
-    claim_to_release,
     dead_letter_headers,
     dlq_name,
 )
@@ -52,8 +47,8 @@ from dedupe.transport import (
 logger = logging.getLogger(__name__)
 
 DEFERRALS_HEADER = "x-dedupe-deferrals"
-# Headers the transport adds; a replayed dead letter loses them.
-OWN_HEADERS = (DEFERRALS_HEADER, *DEAD_LETTER_HEADERS)
+# The transport adds the deferral count besides the dead-letter headers; a replay strips both.
+REPLAY = ReplayPolicy(own_headers=(DEFERRALS_HEADER,))
 
 
 def delay_name(channel: str) -> str:
@@ -592,33 +587,19 @@ async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[
             incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
             if incoming is None:
                 break
-            headers = Headers(incoming.headers or {})
-            found.append(
-                {
-                    "message_id": incoming.message_id,
-                    "reason": headers.get(REASON_HEADER, "?"),
-                    "detail": headers.get(DETAIL_HEADER, ""),
-                    "scope": headers.get(SCOPE_HEADER),
-                    "key": headers.get(KEY_HEADER),
-                    "bytes": len(incoming.body),
-                }
-            )
+            row = describe(incoming.headers or {}, message_id=incoming.message_id)
+            found.append({**row, "bytes": len(incoming.body)})
         # Closing the channel returns every unacknowledged message to the queue, in order.
     return found
 
 
 async def replay_dead_letters(
-    url: str,
-    channel: str,
-    *,
-    limit: int,
-    release: Callable[[str, str], Awaitable[object]] | None = None,
+    url: str, channel: str, *, limit: int, release: Release | None = None
 ) -> list[dict[str, Any]]:
     """Move up to `limit` dead letters back to their channel (confirmed before removal).
 
-    `release(scope, key)` runs before each message whose own claim failed is republished (see
-    dedupe.transport.claim_to_release), so that the claim is claimable again by the time a
-    worker sees it.
+    What goes back, and which failed claim `release(scope, key)` frees before the copy is
+    published, is dedupe.replay's policy; a dead letter it skips stays in <channel>.dlq.
     """
     moved: list[dict[str, Any]] = []
     connection = await aio_pika.connect(url, timeout=10)
@@ -630,22 +611,24 @@ async def replay_dead_letters(
             incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
             if incoming is None:
                 break
-            headers = dict(incoming.headers or {})
-            info = Headers(headers)
-            moved.append(
-                {
-                    "message_id": incoming.message_id,
-                    "reason": info.get(REASON_HEADER, "?"),
-                    "scope": info.get(SCOPE_HEADER),
-                    "key": info.get(KEY_HEADER),
-                }
-            )
-            for name in OWN_HEADERS:
-                headers.pop(name, None)
-            claim = claim_to_release(info)
-            if release is not None and claim is not None:
-                await release(*claim)
-            await amqp.default_exchange.publish(copy_of(incoming, headers=headers), channel)
+            step = REPLAY.plan(dict(incoming.headers or {}), message_id=incoming.message_id)
+            if step.skipped is not None:
+                # Left unacknowledged: closing the channel puts it back in the queue.
+                logger.warning(
+                    "not replaying %s from %s: %s",
+                    incoming.message_id,
+                    dlq_name(channel),
+                    step.skipped,
+                )
+                continue
+            moved.append(step.row)
+
+            async def republish(
+                headers: dict[str, Any], incoming: AbstractIncomingMessage = incoming
+            ) -> None:
+                await amqp.default_exchange.publish(copy_of(incoming, headers=headers), channel)
+
+            await step.carry_out(release=release, republish=republish)
             await incoming.ack()
     return moved
 
