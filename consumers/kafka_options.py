@@ -7,6 +7,40 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from dedupe.errors import ConfigurationError
+from dedupe.plugins import UrlOption
+
+# What each URL option means (docs/configuration.md); a test fails when a field has no line.
+MEANING = {
+    "group_id": "the consumer group; the workers of an app share it",
+    "client_id": "the client's name in the broker's logs and metrics",
+    "partitions": "partitions of the topics the worker creates (a channel and its `.dlq`) "
+    "when they do not exist",
+    "replication_factor": "replicas of the topics it creates; 0 = min(3, brokers in the cluster)",
+    "batch_max": "records per fetch, and per claim statement",
+    "max_held": "deferred messages held in memory per partition before it stops fetching",
+    "commit_interval_s": "period of the offset commits",
+    "revoke_timeout_s": "on a rebalance, how long in-flight work of a revoked partition may "
+    "finish; the rest goes to the next owner uncommitted",
+    "session_timeout_ms": "the group drops a worker not heard from for this long "
+    "(`session.timeout.ms`)",
+    "heartbeat_interval_ms": "period of the heartbeats to the group (`heartbeat.interval.ms`)",
+    "max_poll_interval_ms": "the group drops a worker that does not poll for this long "
+    "(`max.poll.interval.ms`); the worker keeps polling while handlers run",
+    "fetch_max_wait_ms": "how long the broker may hold a fetch to fill it "
+    "(`fetch.max.wait.ms`): latency against batch size",
+    "max_request_size": "the largest request the producer sends (`max.request.size`): caps "
+    "dead letters and the receiver's messages (its body limit is fitted under it); raise it "
+    "together with the topics' `max.message.bytes`",
+}
+
+# Defaults `run` gives the Kafka transport instead of KafkaOptions' own (KafkaTransport's
+# constructor); a unit test checks each against the transport.
+RUN_DEFAULT = {
+    "group_id": "`dedupe-<app name>`",
+    "client_id": "`DEDUPE_WORKER_NAME`",
+    "batch_max": "`DEDUPE_PREFETCH` (2 x concurrency)",
+    "revoke_timeout_s": "`DEDUPE_SHUTDOWN_TIMEOUT_S`, at most 10",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +106,21 @@ class KafkaOptions:
 def group_id_for(app_name: str) -> str:
     """The consumer group of an app's workers, unless the URL names one."""
     return f"dedupe-{app_name}"
+
+
+def url_options() -> list[UrlOption]:
+    """The URL's options with their defaults and meanings, for the configuration reference."""
+    return [
+        UrlOption(
+            name=field.name,
+            type=str(field.type),
+            default=str(field.default),
+            run_default=RUN_DEFAULT.get(field.name, "the same"),
+            meaning=MEANING[field.name],
+        )
+        for field in fields(KafkaOptions)
+        if field.name != "bootstrap_servers"
+    ]
 
 
 def with_options(url: str, **options: Any) -> str:
