@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import entry_points
 
 import pydantic
@@ -10,8 +11,24 @@ import pytest
 from consumers.kafka import KafkaTransport
 from consumers.rabbitmq import RabbitMQPublisher, RabbitMQTransport
 from dedupe.errors import ConfigurationError
-from dedupe.plugins import TRANSPORTS, transport_plugin
+from dedupe.plugins import SERVERS, TRANSPORTS, server, transport_plugin
 from dedupe.settings import Settings
+from tests.conftest import ROOT
+
+# What the issue's goal greps for, as the before-stop hook does.
+FORBIDDEN_IMPORT = re.compile(
+    r"^\s*(from|import) (consumers|aio_pika|aiormq|aiokafka|starlette|uvicorn)\b", re.MULTILINE
+)
+
+
+def test_the_core_imports_no_transport_no_broker_client_and_no_http_library() -> None:
+    """dedupe/ finds transports and servers by entry point; it never imports them."""
+    found = [
+        f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
+        for path in sorted((ROOT / "dedupe").rglob("*.py"))
+        for match in FORBIDDEN_IMPORT.finditer(path.read_text())
+    ]
+    assert found == []
 
 
 def test_our_transports_are_registered_by_url_scheme() -> None:
@@ -23,9 +40,17 @@ def test_our_transports_are_registered_by_url_scheme() -> None:
     assert transport_plugin("kafka://127.0.0.1:9092").name == "Kafka"
 
 
+def test_the_receiver_and_the_status_page_are_registered_servers() -> None:
+    registered = {ep.name for ep in entry_points(group=SERVERS)}
+    assert {"receiver", "status"} <= registered
+    assert callable(server("receiver")) and callable(server("status"))
+
+
 def test_a_url_without_an_installed_transport_says_what_is_installed() -> None:
     with pytest.raises(ConfigurationError, match=r"no transport is installed for 'nats'.*amqp://"):
         transport_plugin("nats://127.0.0.1:4222")
+    with pytest.raises(ConfigurationError, match="the billing server is not installed"):
+        server("billing")
 
 
 def test_a_broker_url_is_refused_at_the_edge_unless_a_transport_takes_its_scheme() -> None:
