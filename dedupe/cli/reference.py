@@ -22,7 +22,8 @@ from .options import FromEnvironment, commands
 # What each setting means; a test fails when a Settings field has no line here.
 MEANING = {
     "database_url": "PostgreSQL holding the claims (and the handlers' ctx.db)",
-    "broker_url": "`amqp://user:pass@host:port/vhost` (RabbitMQ) or `kafka://host:port` (Kafka)",
+    "broker_url": "`amqp://user:pass@host:port/vhost` (RabbitMQ), `kafka://host:port` (Kafka), "
+    "or a URL of another installed transport ([transports.md](transports.md))",
     "concurrency": "handlers running at once per worker",
     "prefetch": "unacknowledged deliveries held (RabbitMQ prefetch, Kafka batch); "
     "default 2 x concurrency",
