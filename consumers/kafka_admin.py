@@ -1,5 +1,7 @@
-"""Kafka for operators and tests: peek at and replay dead letters, a group's backlog, deleting
-topics. Read-only but for the replay (which publishes and commits the replay group's offsets)."""
+"""Kafka for operators and tests: peek at and replay dead letters, a group's lag, delete topics.
+
+Read-only but for the replay, which publishes and commits the replay group's offsets.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Kafka dead letters: a record copied to <topic>.dlq with the reason, or without its body when
-the broker can never take it whole."""
+"""Kafka dead letters: a record copied to <topic>.dlq with the reason (body-less if it must be).
+
+A dead letter the broker can never take whole (too large once our headers are added) goes out
+without its body, with a header saying why.
+"""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Webhook verifiers: Standard Webhooks, GitHub, Stripe and API keys, pure functions of
-(headers, raw body) with no HTTP.
+"""Webhook verifiers (Standard Webhooks, GitHub, Stripe, API keys): pure, no HTTP.
 
-A verifier checks a request's signature or credential in constant time and says which
-idempotency key (and, for API keys, which tenant) the request carries. Import them from
-dedupe.webhooks, beside the sources they verify for.
+A verifier is a function of (headers, raw body): it checks a request's signature or credential
+in constant time and says which idempotency key (and, for API keys, which tenant) the request
+carries. Import them from dedupe.webhooks, beside the sources they verify for.
 """
 
 from __future__ import annotations

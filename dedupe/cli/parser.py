@@ -1,5 +1,4 @@
-"""The `dedupe-worker` command line: the commands, their options and help (the operators' in
-parser_admin.py)."""
+"""The `dedupe-worker` command line: each command's options and help (operators': parser_admin)."""
 
 from __future__ import annotations
 
