@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigurationError
+from .registry import SERVERS, TRANSPORTS, installed_schemes, registered, scheme_of
 from .replay import Release
 from .transport import Publisher, Transport
 
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from .settings import Settings
     from .store import ClaimStore
 
-TRANSPORTS = "dedupe.transports"
-SERVERS = "dedupe.servers"
 
 # (body, headers, message_id) triples, as `dlq replay` and the tests publish them.
 Messages = Sequence[tuple[bytes, Mapping[str, Any], str | None]]
@@ -120,25 +118,10 @@ class Serving:
 Server = Callable[[Serving], Awaitable[bool]]
 
 
-def scheme_of(url: str) -> str:
-    scheme, sep, _ = url.partition("://")
-    return scheme.lower() if sep else ""
-
-
-@cache
-def _registered(group: str) -> dict[str, EntryPoint]:
-    return {ep.name: ep for ep in entry_points(group=group)}
-
-
-def installed_schemes() -> list[str]:
-    """The URL schemes an installed transport takes, e.g. ["amqp", "amqps", "kafka"]."""
-    return sorted(_registered(TRANSPORTS))
-
-
 def transport_plugin(url: str) -> TransportPlugin:
     """The plugin registered for the URL's scheme; ConfigurationError says what to install."""
     scheme = scheme_of(url)
-    found = _registered(TRANSPORTS)
+    found = registered(TRANSPORTS)
     entry = found.get(scheme)
     if entry is None:
         known = ", ".join(f"{name}://" for name in sorted(found)) or "none"
@@ -152,7 +135,7 @@ def transport_plugin(url: str) -> TransportPlugin:
 
 def server(name: str) -> Server:
     """The HTTP server registered as `name` (receiver, status)."""
-    entry = _registered(SERVERS).get(name)
+    entry = registered(SERVERS).get(name)
     if entry is None:
         raise ConfigurationError(
             f"the {name} server is not installed: pip install 'dedupe-worker[receiver]'"

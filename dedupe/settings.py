@@ -8,7 +8,7 @@ import socket
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .plugins import installed_schemes, scheme_of
+from .registry import installed_schemes, scheme_of
 
 DEFAULT_DATABASE_URL = "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
 DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     @field_validator("broker_url")
     @classmethod
     def _known_broker(cls, value: str) -> str:
-        # Any scheme an installed transport registers (dedupe.plugins), a third party's too.
+        # Any scheme an installed transport registers (dedupe.registry), a third party's too.
         scheme, installed = scheme_of(value), installed_schemes()
         if not scheme:
             raise ValueError(
