@@ -135,6 +135,15 @@ def _settings_read_in(root: Callable[..., object]) -> set[str]:
                 names.add(node.attr)
             elif isinstance(node, ast.Call):
                 queue.extend(_called(node, known))
+        if known.get("transport_plugin") is transport_plugin:
+            # plugin = transport_plugin(url); plugin.transport(settings): the plugin methods
+            # this function calls, of every installed plugin, may read the settings given.
+            called = {
+                node.func.attr
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            }
+            queue.extend(_plugin_methods(called & {"transport", "publisher", "admin"}))
     for name in list(names):  # a property such as effective_prefetch reads other settings
         prop = getattr(Settings, name, None)
         if isinstance(prop, property) and prop.fget is not None:
@@ -173,6 +182,11 @@ def _called(call: ast.Call, known: dict[str, object]) -> list[Callable[..., obje
         plugins = [transport_plugin(f"{scheme}://") for scheme in installed_schemes()]
         return [getattr(plugin, func.attr) for plugin in plugins]
     return []
+
+
+def _plugin_methods(names: set[str]) -> list[Callable[..., object]]:
+    plugins = [transport_plugin(f"{scheme}://") for scheme in installed_schemes()]
+    return [getattr(plugin, name) for plugin in plugins for name in sorted(names)]
 
 
 def table() -> str:
