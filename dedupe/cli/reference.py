@@ -142,7 +142,8 @@ def settings_read_by() -> dict[str, set[str]]:
 
 
 def _settings_read_in(root: Callable[..., object]) -> set[str]:
-    """The settings read as `settings.<name>` in root and the dedupe.cli functions it calls."""
+    """The settings read as `settings.<name>` in root and the dedupe functions (and classes'
+    methods) it calls."""
     names: set[str] = set()
     seen: set[Callable[..., object]] = set()
     queue = [root]
@@ -151,7 +152,10 @@ def _settings_read_in(root: Callable[..., object]) -> set[str]:
         if function in seen:
             continue
         seen.add(function)
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        except (OSError, TypeError):  # generated (a dataclass's __init__): nothing read there
+            continue
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Attribute)
@@ -161,8 +165,12 @@ def _settings_read_in(root: Callable[..., object]) -> set[str]:
                 names.add(node.attr)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 called = getattr(function, "__globals__", {}).get(node.func.id)
-                if inspect.isfunction(called) and called.__module__.startswith(__package__ or ""):
+                if not getattr(called, "__module__", "").startswith("dedupe"):
+                    continue
+                if inspect.isfunction(called):
                     queue.append(called)
+                elif inspect.isclass(called):  # dedupe.Worker(settings=...): its methods too
+                    queue.extend(f for f in vars(called).values() if inspect.isfunction(f))
     for name in list(names):  # a property such as effective_prefetch reads other settings
         prop = getattr(Settings, name, None)
         if isinstance(prop, property) and prop.fget is not None:
