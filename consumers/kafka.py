@@ -19,7 +19,11 @@ A channel `C` is a topic; its dead letters go to the topic `C.dlq` (both are cre
   owner (the claims make its re-run a duplicate or a deferral, never a second effect).
 - A dead letter the broker can never take (too large once our headers are added) goes out
   without its body, with `x-dedupe-body-dropped` saying why; if even that fails, the message
-  is held and tried again with backoff, and its partition commits no further.
+  is held and tried again with backoff, and its partition commits no further
+  (consumers.kafka_dead_letters).
+
+The options (kafka_options), the producer side (kafka_publisher) and the operators' clients
+(kafka_admin) live beside it; their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -28,52 +32,40 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 try:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
-    from aiokafka.errors import (
-        CommitFailedError,
-        IllegalStateError,
-        KafkaError,
-        KafkaTimeoutError,
-        MessageSizeTooLargeError,
-        RecordTooLargeError,
-    )
+    from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
     from aiokafka.structs import ConsumerRecord, TopicPartition
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
     ) from exc
 
-from dedupe.keys import MESSAGE_ID_HEADER
 from dedupe.settings import Settings
-from dedupe.transport import (
-    DEAD_LETTER_HEADERS,
-    Process,
-    Settlement,
-    Transport,
-    dead_letter_headers,
-    dlq_name,
-)
+from dedupe.transport import Process, Transport, dlq_name
 
-from .kafka_clients import (
-    BODY_DROPPED_HEADER,
-    ORIGIN_HEADER,
-    KafkaOptions,
-    KafkaPublisher,
+# The options, publishing and the operators' clients, where callers have always imported them
+# from (`from consumers import kafka; await kafka.publish(...)`).
+from .kafka_admin import (
+    KafkaAdmin,
     backlog,
+    delete_channels,
+    peek_dead_letters,
+    replay_dead_letters,
+)
+from .kafka_dead_letters import ORIGIN_HEADER, DeadLetters
+from .kafka_options import KafkaOptions, group_id_for, with_options
+from .kafka_partition import KafkaDelivery, PartitionWork, to_message
+from .kafka_publisher import (
+    KafkaPublisher,
     encode_headers,
     ensure_topics,
-    group_id_for,
     idempotent_producer,
-    peek_dead_letters,
     publish,
-    replay_dead_letters,
-    with_options,
 )
-from .kafka_partition import KafkaDelivery, PartitionWork, to_message
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +119,7 @@ class KafkaTransport(Transport):
         self._partitions: dict[TopicPartition, PartitionWork] = {}
         self._process: Process | None = None
         self._stopping = False
+        self.dead_letters = DeadLetters(lambda: self._producer, lambda: self._stopping)
         self.rebalances = 0
 
     @property
@@ -234,7 +227,7 @@ class KafkaTransport(Transport):
                 self._process,
                 batch_max=self.options.batch_max,
                 max_held=self.options.max_held,
-                dead_letter=self._send_dead_letter,
+                dead_letter=self.dead_letters.send,
                 pause=self._pause,
                 resume=self._resume,
             )
@@ -318,125 +311,6 @@ class KafkaTransport(Transport):
             partition = by_tp[tp]
             partition.committed = max(partition.committed or 0, offset)
 
-    # -- dead letters ---------------------------------------------------------------------
-
-    async def _send_dead_letter(
-        self, record: ConsumerRecord, settlement: Settlement, closing: Callable[[], bool]
-    ) -> bool:
-        """Write the record to <topic>.dlq with the reason; True once the broker has it.
-
-        A copy too large for the broker (a record near the size limit plus our headers) goes
-        out without its body, with a header saying why; any other refusal, or a failure of
-        that too, gives False: the partition holds the message, tries again later and never
-        commits past it.
-        """
-        ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER, BODY_DROPPED_HEADER}  # from an earlier trip
-        headers = [(k, v) for k, v in record.headers or () if k not in ours]
-        headers += encode_headers(dead_letter_headers(settlement))
-        headers.append(
-            (ORIGIN_HEADER, f"{record.topic}/{record.partition}/{record.offset}".encode())
-        )
-        topic = dlq_name(record.topic)
-        fields = _fields(record, settlement)
-        where = f"{record.topic}/{record.partition}/{record.offset}"
-        try:
-            if not await self._write(topic, record.key, record.value, headers, closing):
-                return False
-        except KafkaError as exc:
-            if not isinstance(exc, MessageSizeTooLargeError | RecordTooLargeError):
-                # Refused for another reason (a policy, a bad record): keep the body and let
-                # the partition hold the message and try again; an operator can see why.
-                logger.error(
-                    "the dead letter of %s was refused (%s): the message is held and tried "
-                    "again later; its partition commits no further",
-                    where,
-                    exc,
-                    extra=fields,
-                )
-                return False
-            size = len(record.value or b"")
-            logger.error(
-                "the dead letter of %s cannot be written (%s); writing it without its %d-byte body",
-                where,
-                exc,
-                size,
-                extra=fields,
-            )
-            dropped = [*headers, (BODY_DROPPED_HEADER, f"{size} bytes: {exc}"[:500].encode())]
-            try:
-                if not await self._write(topic, record.key, b"", dropped, closing):
-                    return False
-            except KafkaError as again:
-                logger.error(
-                    "the dead letter of %s cannot be written even without its body (%s): the "
-                    "message is held and tried again later; its partition commits no further",
-                    where,
-                    again,
-                    extra=fields,
-                )
-                return False
-        logger.warning(
-            "dead-lettered %s to %s: %s (%s)",
-            where,
-            topic,
-            settlement.reason,
-            settlement.detail,
-            extra=fields,
-        )
-        return True
-
-    async def _write(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: list[tuple[str, bytes]],
-        closing: Callable[[], bool],
-    ) -> bool:
-        """Send one record, retrying transient errors; False when stopping or revoked first.
-
-        Raises KafkaError when the broker can never take the record.
-        """
-        delay = 0.2
-        while True:
-            producer = self._producer
-            try:
-                if producer is None:
-                    raise KafkaError("the transport is closed")
-                await producer.send_and_wait(topic, value=value, key=key, headers=headers)
-                return True
-            except KafkaError as exc:
-                if self._stopping or producer is None or closing():
-                    logger.warning(
-                        "could not write to %s (%s); left uncommitted for the next owner",
-                        topic,
-                        exc,
-                    )
-                    return False
-                if not _transient(exc):
-                    raise
-                logger.warning("dead-letter write failed (%s); retrying in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-
-def _transient(exc: KafkaError) -> bool:
-    # A timeout says nothing about the record: worth another try, like the retriable errors.
-    return bool(exc.retriable) or isinstance(exc, KafkaTimeoutError)
-
-
-def _fields(record: ConsumerRecord, settlement: Settlement) -> dict[str, Any]:
-    """The log fields of a dead letter (see dedupe.logs.FIELDS)."""
-    message_id = dict(record.headers or ()).get(MESSAGE_ID_HEADER)
-    return {
-        "channel": record.topic,
-        "scope": settlement.scope,
-        "key": settlement.key,
-        "message_id": message_id.decode("utf-8", "replace") if message_id else None,
-        "reason": str(settlement.reason),
-        "outcome": str(settlement.action),
-    }
-
 
 async def _wait_idle(work: Sequence[PartitionWork], timeout_s: float) -> int:
     """Wait up to timeout_s for the partitions' in-flight work; return how many are still busy."""
@@ -452,11 +326,15 @@ async def _wait_idle(work: Sequence[PartitionWork], timeout_s: float) -> int:
 
 
 __all__ = [
+    "ORIGIN_HEADER",
+    "KafkaAdmin",
     "KafkaDelivery",
     "KafkaOptions",
     "KafkaPublisher",
     "KafkaTransport",
     "backlog",
+    "delete_channels",
+    "encode_headers",
     "ensure_topics",
     "group_id_for",
     "peek_dead_letters",

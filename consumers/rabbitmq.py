@@ -1,12 +1,9 @@
-"""RabbitMQ transport on aio-pika: robust connection, manual acks after the outcome is recorded.
+"""RabbitMQ transport on aio-pika: consume channels, settle deliveries as the core decides.
 
-Topology per channel `C` (all durable):
-  C          the work queue; rejected messages dead-letter to C.dlq through the default exchange
-  C.dlq      dead letters, with the reason in `x-dedupe-reason` / `x-dedupe-detail` headers
-  C.delay    no consumers: deferred messages wait out their per-message TTL, then return to C
-
-Copies to C.dlq and C.delay are `mandatory`: one RabbitMQ cannot route (the queue was deleted
-or expired) comes back instead of vanishing, and the original is never acked into nothing.
+A robust connection, manual acks (in runs, consumers.rabbitmq_acks) only after the outcome is
+recorded; dead letters and deferrals are copies to the channel's queues
+(consumers.rabbitmq_topology) sent with confirms (consumers.rabbitmq_copies). The operators'
+functions and the receiver's publisher live in rabbitmq_admin and rabbitmq_publisher.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 try:
@@ -30,72 +27,33 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
     ) from exc
 
-from dedupe.errors import DedupeError
 from dedupe.message import Headers, Message
-from dedupe.store import redact
 from dedupe.transport import (
-    DEAD_LETTER_HEADERS,
-    DETAIL_HEADER,
-    KEY_HEADER,
-    REASON_HEADER,
-    SCOPE_HEADER,
     Action,
     Delivery,
     Process,
     Settlement,
     Transport,
-    claim_to_release,
     dead_letter_headers,
     dlq_name,
 )
 
+from .rabbitmq_acks import Acks
+
+# The operators' functions and the receiver's publisher, where callers have always imported
+# them from (`from consumers import rabbitmq; await rabbitmq.publish(...)`).
+from .rabbitmq_admin import (
+    RabbitMQAdmin,
+    delete_channels,
+    peek_dead_letters,
+    publish,
+    replay_dead_letters,
+)
+from .rabbitmq_copies import Copies
+from .rabbitmq_publisher import RabbitMQPublisher
+from .rabbitmq_topology import DEFERRALS_HEADER, copy_of, declare_channel, delay_name
+
 logger = logging.getLogger(__name__)
-
-DEFERRALS_HEADER = "x-dedupe-deferrals"
-# Headers the transport adds; a replayed dead letter loses them.
-OWN_HEADERS = (DEFERRALS_HEADER, *DEAD_LETTER_HEADERS)
-
-
-def delay_name(channel: str) -> str:
-    return f"{channel}.delay"
-
-
-async def declare_channel(channel: AbstractChannel, name: str) -> AbstractQueue:
-    """Declare the work, dead-letter and delay queues of one channel; return the work queue."""
-    await channel.declare_queue(dlq_name(name), durable=True)
-    await channel.declare_queue(
-        delay_name(name),
-        durable=True,
-        arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name},
-    )
-    return await channel.declare_queue(
-        name,
-        durable=True,
-        arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq_name(name)},
-    )
-
-
-def copy_of(
-    incoming: AbstractIncomingMessage,
-    *,
-    headers: dict[str, Any] | None = None,
-    expiration: float | None = None,
-) -> aio_pika.Message:
-    """A persistent copy of a delivery, for the dead-letter or delay queue."""
-    return aio_pika.Message(
-        incoming.body,
-        headers=headers if headers is not None else dict(incoming.headers or {}),
-        content_type=incoming.content_type,
-        content_encoding=incoming.content_encoding,
-        message_id=incoming.message_id,
-        correlation_id=incoming.correlation_id,
-        reply_to=incoming.reply_to,
-        timestamp=incoming.timestamp,
-        type=incoming.type,
-        app_id=incoming.app_id,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        expiration=expiration,
-    )
 
 
 class RabbitDelivery:
@@ -144,101 +102,6 @@ class RabbitDelivery:
             return False
 
 
-class _Acks:
-    """Acknowledges settled deliveries with one multiple-ack per run of consecutive tags.
-
-    Settling marks a delivery tag done; once per loop iteration the longest done prefix of each
-    AMQP channel's tags goes out as one `basic.ack(multiple=True)`. A done tag stuck behind one
-    still running is acked on its own after `LATE_S`, so a slow handler never holds back the
-    others' prefetch slots for longer. A lost ack frame means a redelivery, which the claims
-    turn into a duplicate: the same as an ack lost on the wire. A closed channel's tags are
-    dropped whole: its unacked deliveries go back to their queues on the broker's side and no
-    ack for them can be sent any more (after a reconnect, the old channel never comes back).
-    """
-
-    LATE_S = 0.05
-
-    def __init__(self) -> None:
-        self._tags: dict[Any, dict[int, bool]] = {}  # AMQP channel -> {tag: done}, in order
-        self._due = False
-        self._late: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    def delivered(self, incoming: AbstractIncomingMessage) -> None:
-        self._drop_closed()
-        if incoming.delivery_tag is not None:
-            self._tags.setdefault(incoming.channel, {})[incoming.delivery_tag] = False
-
-    def forget(self, incoming: AbstractIncomingMessage) -> None:
-        """The delivery is settled some other way (nack) or cannot be (its channel closed)."""
-        self._tags.get(incoming.channel, {}).pop(incoming.delivery_tag or 0, None)
-        self._drop_closed()
-
-    def _drop_closed(self) -> None:
-        for channel in [channel for channel in self._tags if channel.is_closed]:
-            del self._tags[channel]
-
-    def ack(self, incoming: AbstractIncomingMessage) -> bool:
-        """Mark the delivery acked; False when it is not tracked (ack it directly)."""
-        tags = self._tags.get(incoming.channel)
-        if tags is None or incoming.delivery_tag not in tags:
-            return False
-        tags[incoming.delivery_tag] = True
-        self._wake()
-        return True
-
-    def _wake(self) -> None:
-        self._due = True
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._flush(), name="rabbitmq-acks")
-
-    async def _flush(self, *, late: bool = False) -> None:
-        while self._due:
-            self._due = False
-            for channel, tags in list(self._tags.items()):
-                if channel.is_closed:
-                    self._tags.pop(channel, None)
-                    continue
-                last = None
-                while tags:
-                    tag = next(iter(tags))
-                    if not tags[tag]:
-                        break
-                    del tags[tag]
-                    last = tag
-                single = [tag for tag, done in tags.items() if done] if late else []
-                for tag in single:
-                    del tags[tag]
-                try:
-                    if last is not None:
-                        await channel.basic_ack(delivery_tag=last, multiple=True)
-                    for tag in single:
-                        await channel.basic_ack(delivery_tag=tag)
-                except Exception as exc:
-                    # The channel is gone: the broker delivers these again.
-                    logger.warning("could not acknowledge deliveries (%s); they come again", exc)
-                if tags and any(tags.values()) and self._late is None:
-                    self._late = asyncio.get_running_loop().call_later(self.LATE_S, self._lately)
-            late = False
-
-    def _lately(self) -> None:
-        self._late = None
-        self._due = True
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._flush(late=True), name="rabbitmq-acks")
-        else:
-            self._late = asyncio.get_running_loop().call_later(self.LATE_S, self._lately)
-
-    async def drain(self) -> None:
-        if self._late is not None:
-            self._late.cancel()
-            self._late = None
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._due = True
-        await self._flush(late=True)
-
-
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("processing a batch failed", exc_info=task.exception())
@@ -267,10 +130,8 @@ class RabbitMQTransport(Transport):
         self.batch_max = batch_max
         self._connection: AbstractRobustConnection | None = None
         self._channel: AbstractChannel | None = None
-        self._publish_channel: AbstractChannel | None = None
-        self._reopening = asyncio.Lock()
-        self._acks = _Acks()
-        self._copying: dict[str, asyncio.Event] = {}  # message ids with a copy in flight
+        self._acks = Acks()
+        self.copies = Copies(lambda: self._connection)
 
     async def connect(self) -> None:
         if self._connection is None:
@@ -279,11 +140,7 @@ class RabbitMQTransport(Transport):
             )
             self._channel = await self._connection.channel()
             await self._channel.set_qos(prefetch_count=self.prefetch)
-            # Copies go out on their own confirming channel so that a slow confirm never
-            # holds up deliveries on the consuming one.
-            self._publish_channel = await self._connection.channel(
-                publisher_confirms=True, on_return_raises=True
-            )
+            await self.copies.open()
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None
@@ -408,13 +265,15 @@ class RabbitMQTransport(Transport):
         incoming = delivery.incoming
         if settlement.action is Action.ACK:
             if settlement.result is not None and incoming.reply_to:
-                await self._reply(incoming, settlement.result)
+                await self.copies.reply(incoming, settlement.result)
             await self._ack(incoming)
         elif settlement.action is Action.DEAD_LETTER:
             headers: dict[str, Any] = dict(incoming.headers or {})
             headers.update(dead_letter_headers(settlement))
             dead_letter = copy_of(incoming, headers=headers)
-            if not await self._copy(dead_letter, delivery.channel, dlq_name(delivery.channel)):
+            if not await self.copies.copy(
+                dead_letter, delivery.channel, dlq_name(delivery.channel)
+            ):
                 return await self._give_back(incoming, dlq_name(delivery.channel))
             await self._ack(incoming)
             logger.warning(
@@ -438,75 +297,13 @@ class RabbitMQTransport(Transport):
                 headers[DEFERRALS_HEADER] = delivery.message.attempt
             delay = max(settlement.delay_s, 0.05)
             later = copy_of(incoming, headers=headers, expiration=delay)
-            if not await self._copy(later, delivery.channel, delay_name(delivery.channel)):
+            if not await self.copies.copy(later, delivery.channel, delay_name(delivery.channel)):
                 return await self._give_back(incoming, delay_name(delivery.channel))
             await self._ack(incoming)
         else:
             self._acks.forget(incoming)
             await incoming.nack(requeue=True)
         return True
-
-    async def _copy(self, message: aio_pika.Message, channel: str, queue: str) -> bool:
-        """Publish a copy to one of `channel`'s queues; False if RabbitMQ cannot route it.
-
-        A copy RabbitMQ returns (the queue was deleted, or expired by a policy) or refuses
-        makes the transport declare the channel's queues again and send it once more.
-        """
-        async with self._alone(message.message_id):
-            try:
-                await self._publish(message, queue)
-                return True
-            except aio_pika.exceptions.DeliveryError as exc:
-                logger.warning(
-                    "RabbitMQ did not take a copy for %s (%s); declaring the queues of %s again",
-                    queue,
-                    exc,
-                    channel,
-                )
-            try:
-                await self._declare_again(channel)
-                await self._publish(message, queue)
-                return True
-            except (aio_pika.exceptions.DeliveryError, aio_pika.exceptions.AMQPChannelError) as exc:
-                logger.warning("RabbitMQ still did not take a copy for %s (%s)", queue, exc)
-                return False
-
-    @contextlib.asynccontextmanager
-    async def _alone(self, message_id: str | None) -> AsyncIterator[None]:
-        """Hold other copies of this message id back until this one is confirmed or returned.
-
-        aiormq matches a returned message to its publish by message id: with two copies of one
-        id in flight, a return can land on the other copy, and the one RabbitMQ returned then
-        counts as confirmed and is lost (seen with a real broker). Copies of one id seldom
-        overlap (duplicates deferred together, one message id under several keys), so the wait
-        costs little.
-        """
-        if message_id is None:
-            yield  # aiormq gives the copy a random id of its own
-            return
-        while (busy := self._copying.get(message_id)) is not None:
-            await busy.wait()
-        self._copying[message_id] = done = asyncio.Event()
-        try:
-            yield
-        finally:
-            del self._copying[message_id]
-            done.set()
-
-    async def _declare_again(self, name: str) -> None:
-        """Declare a channel's queues on a channel of their own, closed afterwards.
-
-        A declaration RabbitMQ refuses (a queue re-created with other arguments) closes the
-        channel it was made on; the copy channel carries the confirms of other copies.
-        """
-        if self._connection is None:
-            raise aio_pika.exceptions.ChannelInvalidStateError("the transport is closed")
-        channel = await self._connection.channel(publisher_confirms=False)
-        try:
-            await declare_channel(channel, name)
-        finally:
-            with contextlib.suppress(Exception):
-                await channel.close()
 
     async def _give_back(self, incoming: AbstractIncomingMessage, queue: str) -> bool:
         """Requeue a delivery whose copy RabbitMQ would not route, rather than ack it."""
@@ -528,251 +325,18 @@ class RabbitMQTransport(Transport):
         if not self._acks.ack(incoming):
             await incoming.ack()
 
-    async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
-        channel = self._publish_channel
-        if channel is None or channel.is_closed:
-            channel = await self._reopen_publish_channel()
-        # mandatory: a message RabbitMQ cannot route raises (on_return_raises) instead of
-        # being confirmed and dropped.
-        await channel.default_exchange.publish(message, routing_key=routing_key, mandatory=True)
 
-    async def _reopen_publish_channel(self) -> AbstractChannel:
-        """A new confirming channel for copies (dead letters, delays, replies).
-
-        aio-pika restores a robust channel after a reconnect, except when the restore itself
-        fails while the broker is still going down; then the channel stays closed for good
-        and, without this, every later dead letter and deferral would fail (found by the
-        chaos suite: poison messages redelivered forever after a RabbitMQ restart).
-        """
-        async with self._reopening:
-            channel = self._publish_channel
-            if channel is None or channel.is_closed:
-                if self._connection is None:
-                    raise aio_pika.exceptions.ChannelInvalidStateError("the transport is closed")
-                logger.info("reopening the channel for dead letters and delays")
-                channel = await self._connection.channel(
-                    publisher_confirms=True, on_return_raises=True
-                )
-                self._publish_channel = channel
-            return channel
-
-    async def _reply(self, incoming: AbstractIncomingMessage, result: str) -> None:
-        """Replay the stored outcome to a request-reply caller (RPC over RabbitMQ).
-
-        The reply queue is the caller's, so it is never declared here. A reply RabbitMQ cannot
-        route (the caller's queue is gone) is logged at warning and the request still acked:
-        its outcome is recorded, and a caller that retries gets it as a duplicate's reply.
-        """
-        assert incoming.reply_to is not None
-        reply = aio_pika.Message(
-            result.encode(),
-            content_type="application/json",
-            correlation_id=incoming.correlation_id,
-        )
-        try:
-            await self._publish(reply, incoming.reply_to)
-        except aio_pika.exceptions.DeliveryError as exc:
-            logger.warning(
-                "RabbitMQ did not take the reply to %s (%s); the outcome stays recorded",
-                incoming.reply_to,
-                exc,
-                extra={"message_id": incoming.message_id},
-            )
-
-
-async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
-    """Read up to `limit` dead letters without removing them (they return on close)."""
-    found: list[dict[str, Any]] = []
-    connection = await aio_pika.connect(url, timeout=10)
-    async with connection:
-        amqp = await connection.channel()
-        queue = await declare_channel(amqp, channel)
-        dlq = await amqp.get_queue(dlq_name(queue.name))
-        for _ in range(limit):
-            incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
-            if incoming is None:
-                break
-            headers = Headers(incoming.headers or {})
-            found.append(
-                {
-                    "message_id": incoming.message_id,
-                    "reason": headers.get(REASON_HEADER, "?"),
-                    "detail": headers.get(DETAIL_HEADER, ""),
-                    "scope": headers.get(SCOPE_HEADER),
-                    "key": headers.get(KEY_HEADER),
-                    "bytes": len(incoming.body),
-                }
-            )
-        # Closing the channel returns every unacknowledged message to the queue, in order.
-    return found
-
-
-async def replay_dead_letters(
-    url: str,
-    channel: str,
-    *,
-    limit: int,
-    release: Callable[[str, str], Awaitable[object]] | None = None,
-) -> list[dict[str, Any]]:
-    """Move up to `limit` dead letters back to their channel (confirmed before removal).
-
-    `release(scope, key)` runs before each message whose own claim failed is republished (see
-    dedupe.transport.claim_to_release), so that the claim is claimable again by the time a
-    worker sees it.
-    """
-    moved: list[dict[str, Any]] = []
-    connection = await aio_pika.connect(url, timeout=10)
-    async with connection:
-        amqp = await connection.channel(publisher_confirms=True)
-        await declare_channel(amqp, channel)
-        dlq = await amqp.get_queue(dlq_name(channel))
-        for _ in range(limit):
-            incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
-            if incoming is None:
-                break
-            headers = dict(incoming.headers or {})
-            info = Headers(headers)
-            moved.append(
-                {
-                    "message_id": incoming.message_id,
-                    "reason": info.get(REASON_HEADER, "?"),
-                    "scope": info.get(SCOPE_HEADER),
-                    "key": info.get(KEY_HEADER),
-                }
-            )
-            for name in OWN_HEADERS:
-                headers.pop(name, None)
-            claim = claim_to_release(info)
-            if release is not None and claim is not None:
-                await release(*claim)
-            await amqp.default_exchange.publish(copy_of(incoming, headers=headers), channel)
-            await incoming.ack()
-    return moved
-
-
-async def publish(
-    url: str, channel: str, messages: Sequence[tuple[bytes, dict[str, Any], str | None]]
-) -> int:
-    """Publish (body, headers, message_id) triples with confirms; declares the channel first."""
-    connection = await aio_pika.connect(url, timeout=10)
-    async with connection:
-        amqp = await connection.channel(publisher_confirms=True)
-        await declare_channel(amqp, channel)
-        pending = [
-            amqp.default_exchange.publish(
-                aio_pika.Message(
-                    body,
-                    headers=headers,
-                    message_id=message_id,
-                    content_type="application/json",
-                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                ),
-                routing_key=channel,
-            )
-            for body, headers, message_id in messages
-        ]
-        for start in range(0, len(pending), 500):
-            await asyncio.gather(*pending[start : start + 500])
-    return len(messages)
-
-
-async def delete_channels(url: str, channels: Iterable[str]) -> int:
-    """Delete each channel's queues (C, C.delay, C.dlq) with whatever they hold.
-
-    For tests, benchmarks and operators tidying up channels that are gone; missing queues are
-    no error. Returns how many queue names were deleted.
-    """
-    names = [n for c in channels for n in (c, delay_name(c), dlq_name(c))]
-    connection = await aio_pika.connect(url, timeout=10)
-    async with connection:
-        amqp = await connection.channel()
-        for name in names:
-            await amqp.queue_delete(name)  # RabbitMQ answers delete-ok for a missing queue too
-    return len(names)
-
-
-class RabbitMQPublisher:
-    """Publishes with publisher confirms on one robust connection (the webhook receiver's).
-
-    Each channel's queues are declared before its first publish; messages are persistent and
-    `mandatory`, so a message RabbitMQ cannot route is an error, not a silent drop.
-    """
-
-    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
-        self.url = url
-        self.timeout_s = timeout_s
-        self._connection: AbstractRobustConnection | None = None
-        self._channel: AbstractChannel | None = None
-        self._declared: set[str] = set()
-        self._lock = asyncio.Lock()
-
-    async def connect(self) -> None:
-        """Open the connection and the confirming channel unless they are open already."""
-        if self._channel is not None and not self._channel.is_closed:
-            return
-        async with self._lock:
-            if self._channel is not None and not self._channel.is_closed:
-                return
-            try:
-                if self._connection is None or self._connection.is_closed:
-                    self._connection = await aio_pika.connect_robust(
-                        self.url, timeout=self.timeout_s
-                    )
-                self._channel = await self._connection.channel(
-                    publisher_confirms=True, on_return_raises=True
-                )
-            except Exception as exc:
-                await self._discard()
-                raise DedupeError(
-                    f"cannot connect to RabbitMQ at {redact(self.url)} ({exc.__class__.__name__})"
-                ) from exc
-            self._declared.clear()
-
-    async def publish(
-        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
-    ) -> None:
-        """Return once RabbitMQ has confirmed the message; raise DedupeError otherwise."""
-        await self.connect()
-        amqp = self._channel
-        assert amqp is not None
-        try:
-            if channel not in self._declared:
-                await declare_channel(amqp, channel)
-                self._declared.add(channel)
-            message = aio_pika.Message(
-                body,
-                headers=dict(headers),
-                message_id=message_id,
-                content_type=Headers(headers).get("content-type"),
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                app_id="dedupe-worker",
-            )
-            await amqp.default_exchange.publish(
-                message, routing_key=channel, mandatory=True, timeout=self.timeout_s
-            )
-        except Exception as exc:
-            # Unroutable (the queue was deleted) or not confirmed: declare again next time.
-            self._declared.discard(channel)
-            raise DedupeError(
-                f"RabbitMQ did not confirm a message to {channel} ({exc.__class__.__name__})"
-            ) from exc
-
-    async def ready(self) -> bool:
-        """Whether a publish could go out now (connects if needed)."""
-        try:
-            await self.connect()
-        except DedupeError:
-            return False
-        return self._channel is not None and not self._channel.is_closed
-
-    async def close(self) -> None:
-        """Close the connection; safe to call twice."""
-        async with self._lock:
-            await self._discard()
-
-    async def _discard(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
-        self._declared.clear()
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                await connection.close()
+__all__ = [
+    "DEFERRALS_HEADER",
+    "RabbitDelivery",
+    "RabbitMQAdmin",
+    "RabbitMQPublisher",
+    "RabbitMQTransport",
+    "copy_of",
+    "declare_channel",
+    "delay_name",
+    "delete_channels",
+    "peek_dead_letters",
+    "publish",
+    "replay_dead_letters",
+]

@@ -38,7 +38,13 @@ from consumers.receiver_limits import MIN_BODY_LIMIT_BYTES as MIN_BODY_LIMIT_BYT
 from consumers.receiver_limits import SOURCE_HEADER as SOURCE_HEADER
 from consumers.receiver_limits import TENANT_HEADER as TENANT_HEADER
 from consumers.receiver_limits import WEBHOOK_KEY_HEADER as WEBHOOK_KEY_HEADER
-from consumers.receiver_limits import BadContentLength, BodyTooLarge, forwarded_headers
+from consumers.receiver_limits import (
+    BadContentLength,
+    BodyTooLarge,
+    body_limit,
+    fitted_message_limit,
+    forwarded_headers,
+)
 from consumers.receiver_limits import header_list_bytes as header_list_bytes
 from consumers.receiver_limits import message_limit as message_limit
 from consumers.receiver_limits import read_body as read_body
@@ -112,37 +118,13 @@ class Receiver:
 
     def _adopt_limit(self, publisher: object) -> None:
         """Fit every source's body limit under the broker's message limit, or refuse to start."""
-        limit = message_limit(publisher)
-        if limit is None:
-            return
-        room = limit - MESSAGE_OVERHEAD_BYTES
-        if room < MIN_BODY_LIMIT_BYTES:
-            raise ConfigurationError(
-                f"the publisher takes messages of at most {limit} bytes, which leaves {room} "
-                f"bytes for a body next to up to {MESSAGE_OVERHEAD_BYTES} bytes of headers and "
-                f"key; raise the broker's message size limit (Kafka: ?max_request_size= in the "
-                "broker URL, with the topics' max.message.bytes)"
-            )
-        self.message_limit = limit
-        for source in self.app.webhooks.values():
-            if source.max_body_bytes > room:
-                logger.info(
-                    "webhook source %r: bodies over %d bytes are refused with 413 "
-                    "(max_body_bytes=%d, but the broker takes messages of at most %d bytes, "
-                    "headers and key included)",
-                    source.name,
-                    room,
-                    source.max_body_bytes,
-                    limit,
-                    extra={"source": source.name, "channel": source.channel},
-                )
+        limit = fitted_message_limit(self.app.webhooks.values(), publisher)
+        if limit is not None:
+            self.message_limit = limit
 
     def body_limit(self, source: WebhookSource) -> int:
-        """The largest body taken for `source`: its max_body_bytes, or less when the broker's
-        message limit leaves less room (a 413 then, rather than a 503 on every retry)."""
-        if self.message_limit is None:
-            return source.max_body_bytes
-        return min(source.max_body_bytes, self.message_limit - MESSAGE_OVERHEAD_BYTES)
+        """The largest body taken for `source` (see receiver_limits.body_limit)."""
+        return body_limit(source, self.message_limit)
 
     # -- lifespan ----------------------------------------------------------------------
 

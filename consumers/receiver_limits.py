@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 
 from starlette.requests import ClientDisconnect, Request
 
+from dedupe.errors import ConfigurationError
 from dedupe.webhooks import MAX_MESSAGE_ID_BYTES, Identity, WebhookSource
+
+logger = logging.getLogger(__name__)
 
 # Forwarded headers are counted as HTTP/2 counts a header list (name + value + 32 bytes
 # each); the bound keeps an AMQP header frame far under RabbitMQ's frame_max (128 KiB).
@@ -92,6 +96,43 @@ def message_limit(publisher: object) -> int | None:
     if isinstance(limit, int) and not isinstance(limit, bool):
         return limit
     return None
+
+
+def fitted_message_limit(sources: Iterable[WebhookSource], publisher: object) -> int | None:
+    """The publisher's message limit, checked to leave room for a body (else ConfigurationError);
+    each source whose max_body_bytes it cuts is logged. None: the publisher has no limit."""
+    limit = message_limit(publisher)
+    if limit is None:
+        return None
+    room = limit - MESSAGE_OVERHEAD_BYTES
+    if room < MIN_BODY_LIMIT_BYTES:
+        raise ConfigurationError(
+            f"the publisher takes messages of at most {limit} bytes, which leaves {room} "
+            f"bytes for a body next to up to {MESSAGE_OVERHEAD_BYTES} bytes of headers and "
+            f"key; raise the broker's message size limit (Kafka: ?max_request_size= in the "
+            "broker URL, with the topics' max.message.bytes)"
+        )
+    for source in sources:
+        if source.max_body_bytes > room:
+            logger.info(
+                "webhook source %r: bodies over %d bytes are refused with 413 "
+                "(max_body_bytes=%d, but the broker takes messages of at most %d bytes, "
+                "headers and key included)",
+                source.name,
+                room,
+                source.max_body_bytes,
+                limit,
+                extra={"source": source.name, "channel": source.channel},
+            )
+    return limit
+
+
+def body_limit(source: WebhookSource, limit: int | None) -> int:
+    """The largest body taken for `source`: its max_body_bytes, or less when the broker's
+    message limit leaves less room (a 413 then, rather than a 503 on every retry)."""
+    if limit is None:
+        return source.max_body_bytes
+    return min(source.max_body_bytes, limit - MESSAGE_OVERHEAD_BYTES)
 
 
 def too_large_for_broker(exc: BaseException) -> bool:

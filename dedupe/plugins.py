@@ -4,33 +4,45 @@ A broker package (ours in `consumers/`, or a third party's: NATS, Redis Streams,
 a `TransportPlugin` in its `pyproject.toml`::
 
     [project.entry-points."dedupe.transports"]
-    amqp = "consumers.rabbitmq:plugin"
+    amqp = "consumers.rabbitmq_plugin:plugin"
 
-and the HTTP servers the CLI starts (`receive`, `status --serve`) register under
+and the HTTP servers the CLI starts (`receive`, `status --serve`) register a `Server` under
 `dedupe.servers`. Nothing in `dedupe/` imports a broker client or an HTTP library.
+docs/transports.md says how to write one.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from functools import cache
-from importlib.metadata import EntryPoint, entry_points
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import ConfigurationError
+from .registry import SERVERS, TRANSPORTS, installed_schemes, registered, scheme_of
+from .replay import Release
 from .transport import Publisher, Transport
 
 if TYPE_CHECKING:
     from .app import App
     from .settings import Settings
+    from .store import ClaimStore
 
-TRANSPORTS = "dedupe.transports"
-SERVERS = "dedupe.servers"
 
 # (body, headers, message_id) triples, as `dlq replay` and the tests publish them.
 Messages = Sequence[tuple[bytes, Mapping[str, Any], str | None]]
-Release = Callable[[str, str], Awaitable[object]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UrlOption:
+    """One `?name=value` option a transport's URLs take, as docs/configuration.md lists it."""
+
+    name: str
+    type: str  # int, float, str
+    default: str
+    run_default: str  # the default `dedupe-worker run` gives it instead, or "the same"
+    meaning: str
 
 
 class BrokerAdmin(Protocol):
@@ -76,25 +88,40 @@ class TransportPlugin(Protocol):
         """The operator's client for `url`."""
         ...
 
-
-# An HTTP server the CLI runs until `stop` is set: the webhook receiver, the status page.
-Server = Callable[["App | None", "Settings", asyncio.Event], Awaitable[None]]
-
-
-def scheme_of(url: str) -> str:
-    scheme, sep, _ = url.partition("://")
-    return scheme.lower() if sep else ""
+    def url_options(self) -> Sequence[UrlOption]:
+        """The `?name=value` options its URLs take (none: an empty sequence)."""
+        ...
 
 
-@cache
-def _registered(group: str) -> dict[str, EntryPoint]:
-    return {ep.name: ep for ep in entry_points(group=group)}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Serving:
+    """What the CLI hands an HTTP server: what to serve, and when to stop.
+
+    The CLI installs the signal handlers (in one place) and sets the events; the server only
+    watches them. Where it listens is in `settings` (receiver_host/port, status_host/port).
+    """
+
+    settings: Settings
+    store: ClaimStore  # open and migrated; the CLI closes it
+    stop: asyncio.Event  # first SIGTERM/SIGINT: finish open requests, then return
+    force: asyncio.Event  # a second signal: close open connections now
+    # The webhook receiver's (`dedupe-worker receive`):
+    app: App | None = None
+    publisher: Publisher | None = None  # opened and closed by the server
+    store_timeout_s: float = 3.0
+    serve_status: bool = True
+    serve_metrics: bool = True
+
+
+# An HTTP server the CLI runs until `stop` is set: the webhook receiver, the status page. It
+# returns whether it served (False: it could not start, e.g. the port is taken).
+Server = Callable[[Serving], Awaitable[bool]]
 
 
 def transport_plugin(url: str) -> TransportPlugin:
     """The plugin registered for the URL's scheme; ConfigurationError says what to install."""
     scheme = scheme_of(url)
-    found = _registered(TRANSPORTS)
+    found = registered(TRANSPORTS)
     entry = found.get(scheme)
     if entry is None:
         known = ", ".join(f"{name}://" for name in sorted(found)) or "none"
@@ -108,7 +135,7 @@ def transport_plugin(url: str) -> TransportPlugin:
 
 def server(name: str) -> Server:
     """The HTTP server registered as `name` (receiver, status)."""
-    entry = _registered(SERVERS).get(name)
+    entry = registered(SERVERS).get(name)
     if entry is None:
         raise ConfigurationError(
             f"the {name} server is not installed: pip install 'dedupe-worker[receiver]'"
@@ -133,7 +160,10 @@ __all__ = [
     "Messages",
     "Release",
     "Server",
+    "Serving",
     "TransportPlugin",
+    "UrlOption",
+    "installed_schemes",
     "scheme_of",
     "server",
     "transport_plugin",

@@ -8,6 +8,8 @@ import socket
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .registry import installed_schemes, scheme_of
+
 DEFAULT_DATABASE_URL = "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
 DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -72,8 +74,16 @@ class Settings(BaseSettings):
     @field_validator("broker_url")
     @classmethod
     def _known_broker(cls, value: str) -> str:
-        if not value.startswith(("amqp://", "amqps://", "kafka://")):
-            raise ValueError("expected amqp://... (RabbitMQ) or kafka://host:port (Kafka)")
+        # Any scheme an installed transport registers (dedupe.registry), a third party's too.
+        scheme, installed = scheme_of(value), installed_schemes()
+        if not scheme:
+            raise ValueError(
+                "expected a broker URL such as amqp://user:pass@host:port/vhost (RabbitMQ) or "
+                "kafka://host:port (Kafka)"
+            )
+        if scheme not in installed:
+            known = ", ".join(f"{name}://" for name in installed) or "none"
+            raise ValueError(f"no transport is installed for {scheme}:// URLs (installed: {known})")
         return value
 
     @property

@@ -59,28 +59,9 @@ DETAIL_HEADER = "x-dedupe-detail"
 SCOPE_HEADER = "x-dedupe-scope"
 KEY_HEADER = "x-dedupe-key"
 DEAD_LETTER_HEADERS = (REASON_HEADER, DETAIL_HEADER, SCOPE_HEADER, KEY_HEADER)
-
-
-# Reasons whose dead letter names a claim of its own that failed (the handler gave up, was
-# rejected or could not decode the payload). A key_conflict dead letter names the OTHER payload's
-# claim, and missing_key / no_handler name none: replaying those releases nothing.
-FAILED_CLAIM_REASONS = frozenset(
-    reason.value
-    for reason in (
-        Reason.MAX_ATTEMPTS,
-        Reason.HANDLER_ERROR,
-        Reason.REJECTED,
-        Reason.INVALID_PAYLOAD,
-    )
-)
-
-
-def claim_to_release(headers: Mapping[str, str]) -> tuple[str, str] | None:
-    """The (scope, key) of the failed claim a replayed dead letter may release, if any."""
-    scope, key = headers.get(SCOPE_HEADER), headers.get(KEY_HEADER)
-    if not scope or not key or headers.get(REASON_HEADER) not in FAILED_CLAIM_REASONS:
-        return None
-    return scope, key
+# On a dead letter written without its body (the broker refused the whole copy, e.g. too
+# large once our headers were added): why. Replay skips such a dead letter (dedupe.replay).
+BODY_DROPPED_HEADER = "x-dedupe-body-dropped"
 
 
 def dlq_name(channel: str) -> str:

@@ -8,10 +8,11 @@ import sys
 from typing import Any
 
 from ..operations import FINISHED, ClaimAdmin
+from ..plugins import TransportPlugin, transport_plugin
 from ..settings import Settings
 from ..store import ClaimStore, migrate
+from ..worker import broker_unreachable
 from .options import cell, confirm, print_rows
-from .run import broker_unreachable
 
 
 async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -111,35 +112,24 @@ async def _purge(args: argparse.Namespace, admin: ClaimAdmin) -> int:
 
 
 async def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
-    kafka = settings.broker_url.startswith("kafka://")
-    unreachable: tuple[type[BaseException], ...]
-    if kafka:
-        from aiokafka.errors import KafkaConnectionError
-
-        from consumers import kafka_clients as broker
-
-        unreachable = (OSError, KafkaConnectionError)
-    else:
-        from aiormq.exceptions import AMQPConnectionError
-
-        from consumers import rabbitmq as broker  # type: ignore[no-redef]
-
-        unreachable = (OSError, AMQPConnectionError)
+    plugin = transport_plugin(settings.broker_url)
     try:
-        return await _dlq(args, settings, broker, kafka=kafka)
-    except unreachable as exc:
+        return await _dlq(args, settings, plugin)
+    except plugin.unreachable as exc:
         raise broker_unreachable(settings, exc) from exc
 
 
-async def _dlq(args: argparse.Namespace, settings: Settings, broker: Any, *, kafka: bool) -> int:
+async def _dlq(args: argparse.Namespace, settings: Settings, plugin: TransportPlugin) -> int:
+    broker = plugin.admin(settings.broker_url)
     if args.dlq_command == "list":
-        rows = await broker.peek_dead_letters(settings.broker_url, args.channel, limit=args.limit)
+        rows = await broker.peek_dead_letters(args.channel, limit=args.limit)
         if args.json:
             print(json.dumps(rows, indent=2, default=str))
         elif rows:
             print_rows(rows, ["message_id", "reason", "scope", "key", "detail"])
         else:
-            print(f"{args.channel}.dlq is empty" + (" (nothing left to replay)" if kafka else ""))
+            kept = " (nothing left to replay)" if plugin.dead_letters_kept else ""
+            print(f"{args.channel}.dlq is empty{kept}")
         return 0
     if not args.yes and not confirm(
         f"move up to {args.limit} dead letters back to {args.channel}?"
@@ -153,9 +143,7 @@ async def _dlq(args: argparse.Namespace, settings: Settings, broker: Any, *, kaf
             if await store.release_failed(scope, key):
                 released.append(key)
 
-        moved = await broker.replay_dead_letters(
-            settings.broker_url, args.channel, limit=args.limit, release=release
-        )
+        moved = await broker.replay_dead_letters(args.channel, limit=args.limit, release=release)
     print(
         f"replayed {len(moved)} dead letter(s) to {args.channel}; released {len(released)} "
         "failed claim(s) so they run again"

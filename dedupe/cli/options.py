@@ -1,4 +1,5 @@
-"""What every command shares: options, settings, loading the app, picking the transport."""
+"""What every command shares: options, settings, loading the app, picking the transport
+(through its plugin, dedupe.plugins)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import importlib
 import logging
 import sys
 import sysconfig
-import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -20,8 +20,8 @@ import pydantic
 
 from ..app import App
 from ..errors import ConfigurationError, DedupeError
+from ..plugins import transport_plugin
 from ..settings import Settings
-from ..store import ClaimStore
 from ..transport import Publisher, Transport
 
 logger = logging.getLogger("dedupe.cli")
@@ -310,66 +310,14 @@ def _shown(filename: str) -> str:
 
 
 def make_transport(settings: Settings, *, app_name: str | None = None) -> Transport:
-    """Pick the transport from the broker URL's scheme (Kafka names its group after the app)."""
-    if settings.broker_url.startswith("kafka://"):
-        try:
-            from consumers.kafka import KafkaTransport  # type: ignore[import-not-found,unused-ignore]
-        except ImportError as exc:
-            raise UsageError(f"the Kafka transport is not available: {exc}") from exc
-        transport: Transport = KafkaTransport(
-            settings.broker_url, settings=settings, app_name=app_name
-        )
-        return transport
-    from consumers.rabbitmq import RabbitMQTransport
-
-    return RabbitMQTransport(
-        settings.broker_url,
-        prefetch=settings.effective_prefetch,
-        batch_max=settings.effective_prefetch,
-        connection_name=f"dedupe-worker {settings.worker_name}",
-    )
+    """The transport of the broker URL's scheme, from its plugin (Kafka names its group after
+    the app)."""
+    return transport_plugin(settings.broker_url).transport(settings, app_name=app_name)
 
 
 def make_publisher(settings: Settings) -> Publisher:
-    """Pick the publisher (confirmed publishes, for the webhook receiver) from the broker URL."""
-    if settings.broker_url.startswith("kafka://"):
-        try:
-            from consumers.kafka import (  # type: ignore[import-not-found,attr-defined,unused-ignore]
-                KafkaPublisher,
-            )
-        except ImportError as exc:
-            raise UsageError(
-                f"publishing to Kafka needs consumers.kafka.KafkaPublisher, which is not "
-                f"available in this install ({exc}); use an amqp:// broker for now"
-            ) from exc
-        publisher: Publisher = KafkaPublisher(settings.broker_url)
-        return publisher
-    from consumers.rabbitmq import RabbitMQPublisher
-
-    return RabbitMQPublisher(settings.broker_url)
-
-
-async def retrying(what: str, connect: Callable[[], Awaitable[T]], timeout_s: float) -> T:
-    """Connect, retrying with backoff for up to timeout_s: services may start after us."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.5
-    while True:
-        try:
-            return await connect()
-        except (OSError, DedupeError, ConnectionError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            logger.warning("%s not reachable yet (%s); retrying in %.1fs", what, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-
-
-async def check_migrated(store: ClaimStore) -> None:
-    present = await store.pool.fetchval("SELECT to_regclass('dedupe_claims') IS NOT NULL")
-    if not present:
-        raise ConfigurationError(
-            "the claims table does not exist in this database; run `dedupe-worker migrate` first"
-        )
+    """The confirming publisher of the broker URL's scheme (for the webhook receiver)."""
+    return transport_plugin(settings.broker_url).publisher(settings)
 
 
 def confirm(question: str) -> bool:

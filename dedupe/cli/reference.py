@@ -1,5 +1,5 @@
 """The configuration reference (docs/configuration.md) generated from the code: Settings,
-the parser, the commands' source, and the Kafka transport's URL options.
+the parser, the commands' source, and the Kafka transport's URL options (from its plugin).
 
     python -m dedupe.cli.reference > tables.md
 
@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import inspect
 import textwrap
 from collections.abc import Callable
 
+from ..plugins import installed_schemes, server, transport_plugin
 from ..settings import Settings
 from .options import FromEnvironment, commands
 
 # What each setting means; a test fails when a Settings field has no line here.
 MEANING = {
     "database_url": "PostgreSQL holding the claims (and the handlers' ctx.db)",
-    "broker_url": "`amqp://user:pass@host:port/vhost` (RabbitMQ) or `kafka://host:port` (Kafka)",
+    "broker_url": "`amqp://user:pass@host:port/vhost` (RabbitMQ), `kafka://host:port` (Kafka), "
+    "or a URL of another installed transport ([transports.md](transports.md))",
     "concurrency": "handlers running at once per worker",
     "prefetch": "unacknowledged deliveries held (RabbitMQ prefetch, Kafka batch); "
     "default 2 x concurrency",
@@ -46,39 +47,6 @@ MEANING = {
     "secret does not belong on a command line)",
 }
 
-
-# What each Kafka URL option means; a test fails when a KafkaOptions field has no line here.
-KAFKA_MEANING = {
-    "group_id": "the consumer group; the workers of an app share it",
-    "client_id": "the client's name in the broker's logs and metrics",
-    "partitions": "partitions of the topics the worker creates (a channel and its `.dlq`) "
-    "when they do not exist",
-    "replication_factor": "replicas of the topics it creates; 0 = min(3, brokers in the cluster)",
-    "batch_max": "records per fetch, and per claim statement",
-    "max_held": "deferred messages held in memory per partition before it stops fetching",
-    "commit_interval_s": "period of the offset commits",
-    "revoke_timeout_s": "on a rebalance, how long in-flight work of a revoked partition may "
-    "finish; the rest goes to the next owner uncommitted",
-    "session_timeout_ms": "the group drops a worker not heard from for this long "
-    "(`session.timeout.ms`)",
-    "heartbeat_interval_ms": "period of the heartbeats to the group (`heartbeat.interval.ms`)",
-    "max_poll_interval_ms": "the group drops a worker that does not poll for this long "
-    "(`max.poll.interval.ms`); the worker keeps polling while handlers run",
-    "fetch_max_wait_ms": "how long the broker may hold a fetch to fill it "
-    "(`fetch.max.wait.ms`): latency against batch size",
-    "max_request_size": "the largest request the producer sends (`max.request.size`): caps "
-    "dead letters and the receiver's messages (its body limit is fitted under it); raise it "
-    "together with the topics' `max.message.bytes`",
-}
-
-# Defaults `run` gives the Kafka transport instead of KafkaOptions' own (consumers.kafka:
-# KafkaTransport); a unit test checks each against the transport.
-KAFKA_RUN_DEFAULT = {
-    "group_id": "`dedupe-<app name>`",
-    "client_id": "`DEDUPE_WORKER_NAME`",
-    "batch_max": "`DEDUPE_PREFETCH` (2 x concurrency)",
-    "revoke_timeout_s": "`DEDUPE_SHUTDOWN_TIMEOUT_S`, at most 10",
-}
 
 # Variables read by the libraries underneath, not by dedupe-worker's own settings; a unit test
 # fails when the code reads an environment variable that is neither here nor a setting.
@@ -143,7 +111,8 @@ def settings_read_by() -> dict[str, set[str]]:
 
 def _settings_read_in(root: Callable[..., object]) -> set[str]:
     """The settings read as `settings.<name>` in root and the dedupe functions (and classes'
-    methods) it calls."""
+    methods) it calls, and in what those load by entry point: a server, a transport plugin's
+    method."""
     names: set[str] = set()
     seen: set[Callable[..., object]] = set()
     queue = [root]
@@ -156,6 +125,7 @@ def _settings_read_in(root: Callable[..., object]) -> set[str]:
             tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
         except (OSError, TypeError):  # generated (a dataclass's __init__): nothing read there
             continue
+        known = getattr(function, "__globals__", {})
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Attribute)
@@ -163,14 +133,8 @@ def _settings_read_in(root: Callable[..., object]) -> set[str]:
                 and node.value.id == "settings"
             ):
                 names.add(node.attr)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                called = getattr(function, "__globals__", {}).get(node.func.id)
-                if not getattr(called, "__module__", "").startswith("dedupe"):
-                    continue
-                if inspect.isfunction(called):
-                    queue.append(called)
-                elif inspect.isclass(called):  # dedupe.Worker(settings=...): its methods too
-                    queue.extend(f for f in vars(called).values() if inspect.isfunction(f))
+            elif isinstance(node, ast.Call):
+                queue.extend(_called(node, known))
     for name in list(names):  # a property such as effective_prefetch reads other settings
         prop = getattr(Settings, name, None)
         if isinstance(prop, property) and prop.fget is not None:
@@ -183,6 +147,32 @@ def _settings_read_in(root: Callable[..., object]) -> set[str]:
                 and node.value.id == "self"
             )
     return names & set(Settings.model_fields)
+
+
+def _called(call: ast.Call, known: dict[str, object]) -> list[Callable[..., object]]:
+    """What a call runs that the audit follows: a dedupe function, or a dedupe class's methods
+    (dedupe.Worker(settings=...)); `server("name")`'s server; `transport_plugin(url).method(...)`'s
+    method, of every installed plugin."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        called = known.get(func.id)
+        if called is server and call.args and isinstance(call.args[0], ast.Constant):
+            return [server(str(call.args[0].value))]
+        if not getattr(called, "__module__", "").startswith("dedupe"):
+            return []
+        if inspect.isfunction(called):
+            return [called]
+        if inspect.isclass(called):
+            return [f for f in vars(called).values() if inspect.isfunction(f)]
+    elif (
+        isinstance(func, ast.Attribute)
+        and isinstance(func.value, ast.Call)
+        and isinstance(func.value.func, ast.Name)
+        and known.get(func.value.func.id) is transport_plugin
+    ):
+        plugins = [transport_plugin(f"{scheme}://") for scheme in installed_schemes()]
+        return [getattr(plugin, func.attr) for plugin in plugins]
+    return []
 
 
 def table() -> str:
@@ -248,19 +238,15 @@ def command_options() -> str:
 
 
 def kafka_options() -> str:
-    """The options of a kafka:// broker URL (consumers.kafka_clients.KafkaOptions)."""
-    from consumers.kafka_clients import KafkaOptions
-
+    """The options of a kafka:// broker URL, as the Kafka transport's plugin lists them."""
     lines = [
         "| URL option | type | default | `run`'s default | meaning |",
         "|---|---|---|---|---|",
     ]
-    for field in dataclasses.fields(KafkaOptions):
-        if field.name == "bootstrap_servers":
-            continue
+    for option in transport_plugin("kafka://").url_options():
         lines.append(
-            f"| `{field.name}` | {field.type} | `{field.default}` | "
-            f"{KAFKA_RUN_DEFAULT.get(field.name, 'the same')} | {KAFKA_MEANING[field.name]} |"
+            f"| `{option.name}` | {option.type} | `{option.default}` | {option.run_default} | "
+            f"{option.meaning} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -15,7 +15,7 @@ from ..observe import Observer
 from ..pipeline import Processor
 from ..settings import Settings
 from ..worker import Worker, broker_unreachable
-from .options import load_app, logger, make_transport
+from .options import load_app, logger
 
 __all__ = ["broker_unreachable", "cmd_run"]
 
@@ -24,12 +24,7 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     app = load_app(args.app)
     metrics = Metrics()
     observers: list[Observer] = [metrics] if settings.metrics_port else []
-    worker = Worker(
-        app,
-        settings=settings,
-        observers=observers,
-        transport=make_transport(settings, app_name=app.name),
-    )
+    worker = Worker(app, settings=settings, observers=observers)
     drain_now = asyncio.Event()
     signals_seen: list[int] = []
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import signal
-from collections.abc import Iterator
 
 from ..operations import ClaimAdmin
+from ..plugins import Serving, server
 from ..settings import Settings
 from ..store import ClaimStore
-from .options import UsageError, check_migrated, logger, print_rows
+from ..worker import check_migrated
+from .options import print_rows
+from .serving import serve_until_stopped
 
 
 async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
@@ -41,48 +41,5 @@ async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _serve(store: ClaimStore, settings: Settings) -> int:
-    try:
-        import uvicorn
-        from starlette.applications import Starlette
-        from starlette.responses import RedirectResponse
-        from starlette.routing import Route
-
-        from consumers.status_page import StatusPage
-    except ImportError as exc:
-        raise UsageError(
-            f"the status page needs the receiver extra: pip install 'dedupe-worker[receiver]' "
-            f"({exc})"
-        ) from exc
-    token = settings.status_token.get_secret_value() if settings.status_token else None
-    page = StatusPage(store, token=token)
-
-    async def home(_request: object) -> RedirectResponse:
-        return RedirectResponse("/status")
-
-    asgi = Starlette(routes=[Route("/", home), *page.routes()])
-    config = uvicorn.Config(
-        asgi,
-        host=settings.status_host,
-        port=settings.status_port,
-        log_config=None,
-        access_log=False,
-        server_header=False,
-    )
-
-    class QuietServer(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
-    server = QuietServer(config)
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, setattr, server, "should_exit", True)
-    logger.info(
-        "status page on http://%s:%d/status (release: %s)",
-        settings.status_host,
-        settings.status_port,
-        "with the status token" if token else "loopback clients only",
-    )
-    await server.serve()
-    return 0 if server.started else 1
+    serving = Serving(settings=settings, store=store, stop=asyncio.Event(), force=asyncio.Event())
+    return await serve_until_stopped(server("status"), serving)

@@ -1,6 +1,10 @@
 """The chaos suite's app: one database effect (through ctx.db) and one call to a stand-in
 external service per key, plus a test hook that SIGKILLs the worker at a failpoint.
 
+Keys come from the body (`id`) and tenants from the `X-Tenant` header, where hostile values
+can live (an AMQP message id holds at most 255 bytes, a header or body much more). A body with
+`"result": "nul" | "surrogate" | "nan"` makes the handler return a value jsonb cannot hold.
+
 Test-only configuration, read when the module is imported by a worker process:
   CHAOS_CHANNEL      the channel (each scenario has its own)
   CHAOS_LEASE_S      the handler's lease
@@ -8,6 +12,9 @@ Test-only configuration, read when the module is imported by a worker process:
   CHAOS_FUSE         a path the test creates when it wants the next kill: the first worker
                      to pass the failpoint while it exists takes it (an atomic rename) and
                      SIGKILLs itself, so the test paces the kills over the whole stream
+  CHAOS_SLOW_FUSE    a path the test creates when it wants the next run to be slow: the first
+                     run to start while it exists takes it (renamed to `<path>.taken-by-<pid>`,
+                     so the test knows which worker) and sleeps CHAOS_SLOW_S seconds
 """
 
 from __future__ import annotations
@@ -25,7 +32,13 @@ from dedupe.webhooks import api_key
 app = App("chaos")
 CHANNEL = os.environ.get("CHAOS_CHANNEL", "chaos")
 LEASE_S = float(os.environ.get("CHAOS_LEASE_S", "2"))
+SLOW_S = float(os.environ.get("CHAOS_SLOW_S", "3"))
 API_KEY = "chaos-api-key"  # the receiver scenario's sender authenticates with it
+SCOPE = f"{app.name}.work"  # the handler's scope; each tenant's claims are under SCOPE/<tenant>
+
+# What the handler returns for a body's "result", and what jsonb holds of it.
+HOSTILE_RESULTS: dict[str, object] = {"nul": "a\x00b", "surrogate": "a\ud800b", "nan": float("nan")}
+STORED_RESULTS: dict[str, object] = {"nul": "a\ufffdb", "surrogate": "a\ufffdb", "nan": None}
 
 # The receiver scenario: POST /webhooks/chaos with Idempotency-Key, forwarded to the channel.
 # The receiver's lease must outlast its publish timeout (5 s).
@@ -37,6 +50,7 @@ class Work(BaseModel):
     v: int
     poison: bool = False
     sleep_s: float = 0.0
+    result: str | None = None  # a key of HOSTILE_RESULTS
 
 
 class PoisonError(Exception):
@@ -67,17 +81,34 @@ class ExternalService:
 
 external = ExternalService()
 
+_FAILPOINT = os.environ.get("CHAOS_FAILPOINT")
+_FUSE = os.environ.get("CHAOS_FUSE", "")
+_SLOW_FUSE = os.environ.get("CHAOS_SLOW_FUSE", "")
+
+
+def _take(fuse: str) -> bool:
+    """Take the fuse if it is there (an atomic rename: only one process gets it)."""
+    try:
+        os.rename(fuse, f"{fuse}.taken-by-{os.getpid()}")
+    except FileNotFoundError:
+        return False  # not wanted now, or another worker took it
+    return True
+
 
 @app.handler(
     CHANNEL,
+    key="body:id",
+    scope="header:X-Tenant",
     lease_s=LEASE_S,
     max_attempts=5,
     backoff_s=0.05,
     max_backoff_s=0.2,
 )
-async def work(payload: Work, ctx: Context) -> int:
+async def work(payload: Work, ctx: Context) -> int | dict[str, object]:
     if payload.poison:
         raise PoisonError(f"{payload.id} always fails")
+    if _SLOW_FUSE and _take(_SLOW_FUSE):
+        await asyncio.sleep(SLOW_S)
     await asyncio.sleep(payload.sleep_s)
     await external.call(idempotency_key=ctx.key, business_key=payload.id)
     await ctx.db.execute(
@@ -86,21 +117,17 @@ async def work(payload: Work, ctx: Context) -> int:
         payload.v,
         os.getpid(),
     )
+    if payload.result is not None:
+        return {"v": payload.v, "note": HOSTILE_RESULTS[payload.result]}
     return payload.v
 
-
-_FAILPOINT = os.environ.get("CHAOS_FAILPOINT")
-_FUSE = os.environ.get("CHAOS_FUSE", "")
 
 if _FAILPOINT and _FUSE:
 
     @app.hook(_FAILPOINT)
     async def failpoint(stage: str, message: Message, scope: str, key: str) -> None:
-        try:
-            os.rename(_FUSE, f"{_FUSE}.taken-by-{os.getpid()}")
-        except FileNotFoundError:
-            return  # no kill wanted now, or another worker took it
-        os.kill(os.getpid(), signal.SIGKILL)
+        if _take(_FUSE):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 SCHEMA = """

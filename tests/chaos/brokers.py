@@ -7,6 +7,10 @@ import asyncio
 import subprocess
 from typing import Any
 
+import aio_pika
+import aiormq
+from aiokafka.admin import AIOKafkaAdminClient
+
 from consumers import kafka, rabbitmq
 from tests.integration.brokers import KafkaBroker, RabbitBroker
 
@@ -40,6 +44,17 @@ class ChaosRabbit(RabbitBroker):
     async def dead_letters(self, channel: str, limit: int = 100) -> list[dict[str, Any]]:
         return await rabbitmq.peek_dead_letters(self.url, channel, limit=limit)
 
+    async def consumers(self, channel: str) -> int:
+        """Consumers attached to the channel's queue (0 before a worker declared it)."""
+        connection = await aio_pika.connect(self.url, timeout=10)
+        async with connection:
+            amqp = await connection.channel()
+            try:
+                queue = await amqp.declare_queue(channel, passive=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                return 0
+            return int(queue.declaration_result.consumer_count or 0)
+
 
 class ChaosKafka(KafkaBroker):
     def worker_url(self, channel: str) -> str:
@@ -47,3 +62,15 @@ class ChaosKafka(KafkaBroker):
 
     async def dead_letters(self, channel: str, limit: int = 100) -> list[dict[str, Any]]:
         return await kafka.peek_dead_letters(self.url, channel, limit=limit)
+
+    async def consumers(self, channel: str) -> int:
+        """Members of the scenario's group once it is stable (0 while it rebalances)."""
+        servers = kafka.KafkaOptions.from_url(self.url).bootstrap_servers
+        admin = AIOKafkaAdminClient(bootstrap_servers=servers, request_timeout_ms=15_000)
+        await admin.start()
+        try:
+            [response] = await admin.describe_consumer_groups([self.group_id])
+        finally:
+            await admin.close()
+        [group] = response.to_object()["groups"]
+        return len(group["members"]) if group["state"] == "Stable" else 0

@@ -16,7 +16,8 @@ import asyncpg
 
 from tests.apps.chaos import SCHEMA
 from tests.chaos.faults import Fault, Run
-from tests.chaos.harness import Probe, Report, Workers, Workload, check, wait_drained
+from tests.chaos.harness import Probe, Report, Workers, check, wait_drained
+from tests.chaos.workload import Workload
 from tests.integration.brokers import Broker
 
 LEASE_S = 2.0
@@ -73,15 +74,13 @@ async def run_scenario(
         injected = await fault(run)
         run.keep_workers()
         drain_s = await wait_drained(
-            probe, lambda: broker.backlog(channel), workload, within_s=LEASE_S + 30
+            probe, lambda: broker.backlog(channel), workload.claimed, within_s=LEASE_S + 30
         )
         total_s = time.monotonic() - began
         run.keep_workers()
     finally:
         workers.stop()
-    letters = await broker.dead_letters(
-        channel, limit=len(workload.conflicts) + len(workload.poison) + 100
-    )
+    letters = await broker.dead_letters(channel, limit=workload.letters_at_most)
     problems, figures = await check(probe, letters, workload)
     if run.unexpected_exits:
         problems.append(f"{run.unexpected_exits} worker(s) exited without being killed")

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.chaos.harness import Probe, Workers, Workload
+from tests.chaos.harness import Probe, Workers
+from tests.chaos.workload import Workload
 
 PG_CLUSTER = ["15", "main"]
 # The last fault of a scenario lands when at most this many keys are left to settle.
@@ -36,8 +37,9 @@ class Run:
         """How many keys are settled when fault i of k happens: spread evenly from 1/(k+1) of
         the keys to the last fault, which lands when k/(k+1) are settled or when at most
         LAST_FAULT_LEFT keys are left, whichever is later, so that what follows it is the
-        fault's recovery, which the drain check bounds, not the rest of a large run."""
-        n, k = self.workload.n, self.faults
+        fault's recovery, which the drain check bounds, not the rest of a large run. Only keys
+        that get a claim count (hostile keys and tenants never settle)."""
+        n, k = self.workload.claimed, self.faults
         last = max(k / (k + 1), 1 - LAST_FAULT_LEFT / n)
         first = 1 / (k + 1) if k > 1 else last
         fraction = first + (last - first) * i / (k - 1) if k > 1 else last

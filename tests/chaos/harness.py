@@ -10,61 +10,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 
+from tests.apps.chaos import SCOPE, STORED_RESULTS
+from tests.chaos.workload import Workload
+
 ROOT = Path(__file__).resolve().parents[2]
-
-Messages = list[tuple[bytes, dict[str, Any], str | None]]
-
-
-@dataclass
-class Workload:
-    """N logical messages: 30 % published twice, 5 % three to five times, 1 % also under the
-    same key with another payload, 0.5 % poison (always fail)."""
-
-    n: int
-    seed: int = 1
-    messages: Messages = field(default_factory=list)
-    normal: set[str] = field(default_factory=set)
-    conflicts: set[str] = field(default_factory=set)
-    poison: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        rng = random.Random(self.seed)
-        n_poison = max(1, self.n // 200)
-        n_conflict = max(1, self.n // 100)
-        keys = [f"m{i:07d}" for i in range(self.n)]
-        self.poison = set(keys[:n_poison])
-        self.normal = set(keys[n_poison:])
-        copies: dict[str, int] = {}
-        for key in keys[n_poison:]:
-            roll = rng.random()
-            copies[key] = 2 if roll < 0.30 else rng.randint(3, 5) if roll < 0.35 else 1
-        # Conflicts among keys published once, so each yields one completion and one dead letter.
-        singles = [key for key, count in copies.items() if count == 1]
-        self.conflicts = set(rng.sample(singles, n_conflict))
-        for i, key in enumerate(keys):
-            body = {"id": key, "v": i, "poison": key in self.poison}
-            for _ in range(copies.get(key, 1)):
-                self.messages.append((json.dumps(body).encode(), {}, key))
-        rng.shuffle(self.messages)
-        for key in sorted(self.conflicts):  # the other payload arrives later
-            other = {"id": key, "v": 1_000_000 + int(key[1:])}
-            self.messages.append((json.dumps(other).encode(), {}, key))
-
-    @property
-    def duplicates(self) -> int:
-        return len(self.messages) - self.n
 
 
 class Workers:
@@ -150,9 +110,13 @@ class Probe:
         return rows[0][0] if rows else None
 
     async def settled(self) -> int:
-        """Keys with a final outcome (completed or failed)."""
+        """The workers' keys with a final outcome (completed or failed); not the receiver's."""
         return int(
-            await self.value("SELECT count(*) FROM dedupe_claims WHERE status <> 'in_progress'")
+            await self.value(
+                "SELECT count(*) FROM dedupe_claims"
+                " WHERE status <> 'in_progress' AND starts_with(scope, $1)",
+                f"{SCOPE}/",
+            )
         )
 
 
@@ -183,13 +147,13 @@ class Report:
 async def wait_drained(
     probe: Probe,
     backlog: Callable[[], Awaitable[int]],
-    workload: Workload,
+    expected: int,
     *,
     within_s: float,
 ) -> float:
-    """Wait until every key has its outcome, nothing is in progress and the queues are empty."""
+    """Wait until `expected` keys have their outcome, nothing is in progress and the queues
+    are empty."""
     began = time.monotonic()
-    expected = workload.n
     state: dict[str, Any] = {}
     while time.monotonic() - began < within_s:
         settled = await probe.settled()
@@ -262,6 +226,8 @@ async def check(
         problems.append(f"external calls with differing idempotency keys: {sorted(differing)[:10]}")
     if workload.normal - external.keys():
         problems.append("some keys never called the external service")
+    if ran := external.keys() - workload.normal:
+        problems.append(f"external calls for keys that must not run: {sorted(ran)[:10]}")
 
     statuses = dict(await probe.fetch("SELECT status, count(*) FROM dedupe_claims GROUP BY 1"))
     if statuses.get("in_progress"):
@@ -277,11 +243,16 @@ async def check(
     expected = {(key, "max_attempts_exceeded") for key in workload.poison}
     if conflicts_dead_lettered:
         expected |= {(key, "key_conflict") for key in workload.conflicts}
+    # A hostile key or tenant is refused before any claim, so every copy is dead-lettered;
+    # its dead letter names no key (it could not carry one), only the message id.
+    unclaimable = workload.invalid_keys.keys() | workload.invalid_tenants
+    expected |= {(key, "invalid_key") for key in unclaimable}
     if letters != expected:
         problems.append(
             f"dead letters differ: unexpected {sorted(letters - expected)[:10]}, "
             f"missing {sorted(expected - letters)[:10]}"
         )
+    problems += await check_claims(probe, workload)
     figures = {
         "lost": len(missing),
         "duplicated_effects": sum(n - 1 for n in doubled.values()),
@@ -289,3 +260,36 @@ async def check(
         "external_calls": sum(calls for _, calls in external.values()),
     }
     return problems, figures
+
+
+async def check_claims(probe: Probe, workload: Workload) -> list[str]:
+    """The workers' claims: one per key but the hostile keys and tenants (none for those), and
+    each hostile result completed and stored mended (U+FFFD for NUL and lone surrogates, null
+    for NaN)."""
+    problems: list[str] = []
+    claimed = {
+        r["key"]
+        for r in await probe.fetch(
+            "SELECT key FROM dedupe_claims WHERE starts_with(scope, $1)", f"{SCOPE}/"
+        )
+    }
+    # The hostile keys themselves cannot be stored (NUL, a surrogate) or are not expected
+    # (600 characters); a hostile tenant's row would hold its message id as the key.
+    unexpected = claimed - workload.normal - workload.poison
+    if unexpected:
+        problems.append(
+            f"claims for keys that must have none: {sorted(k[:40] for k in unexpected)[:10]}"
+        )
+    rows = await probe.fetch(
+        "SELECT key, status, result::text AS result FROM dedupe_claims"
+        " WHERE starts_with(scope, $1) AND key = ANY($2::text[])",
+        f"{SCOPE}/",
+        sorted(workload.hostile_results),
+    )
+    stored = {r["key"]: (r["status"], r["result"]) for r in rows}
+    for key, kind in sorted(workload.hostile_results.items()):
+        want = {"v": int(key.rsplit("-", 1)[1]), "note": STORED_RESULTS[kind]}
+        status, result = stored.get(key, (None, None))
+        if status != "completed" or result is None or json.loads(result) != want:
+            problems.append(f"hostile result {key}: {status}, stored {result!r}, want {want}")
+    return problems

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -10,7 +11,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import httpx
@@ -18,7 +21,8 @@ import httpx
 from tests.apps.chaos import API_KEY, SCHEMA
 from tests.chaos.brokers import ChaosRabbit
 from tests.chaos.conftest import FAULTS, LEASE_S, SIZE, record
-from tests.chaos.harness import ROOT, Probe, Report, Workers, Workload, check, wait_drained
+from tests.chaos.harness import ROOT, Probe, Report, Workers, check, wait_drained
+from tests.chaos.workload import TENANTS, Messages, Workload, hostile_key
 
 # A sender gives up on one request after this long (the receiver restarts within seconds).
 REQUEST_DEADLINE_S = 120.0
@@ -84,8 +88,9 @@ class Receiver:
 
 
 class Sender:
-    """Posts every message of the workload, retrying as webhook senders do, until each has a
-    final answer: 202 (accepted or replayed) or 422 (the key was used with another body)."""
+    """Posts every message of the workload (its message id as the Idempotency-Key, its headers
+    along), retrying as webhook senders do, until each has a final answer: 202 (accepted or
+    replayed), 422 (the key was used with another body) or 400 (a key the receiver refuses)."""
 
     def __init__(self, url: str, concurrency: int = 16) -> None:
         self.url = url
@@ -93,6 +98,7 @@ class Sender:
         self.answers: Counter[str] = Counter()
         self.accepted: dict[str, set[bytes]] = {}
         self.refused: dict[str, set[bytes]] = {}
+        self.bad_requests: set[str] = set()
         self.unanswered: list[str] = []
         self.unexpected: list[tuple[str, int]] = []
         self.retries = 0
@@ -101,12 +107,17 @@ class Sender:
     def answered(self) -> int:
         return sum(self.answers.values())
 
-    async def send_all(self, messages: list[tuple[bytes, dict[str, object], str | None]]) -> None:
+    async def send_all(self, messages: Messages) -> None:
         async with httpx.AsyncClient(timeout=10) as client:
-            await asyncio.gather(*(self._send(client, body, str(key)) for body, _, key in messages))
+            await asyncio.gather(
+                *(self._send(client, body, extra, str(key)) for body, extra, key in messages)
+            )
 
-    async def _send(self, client: httpx.AsyncClient, body: bytes, key: str) -> None:
+    async def _send(
+        self, client: httpx.AsyncClient, body: bytes, extra: Mapping[str, Any], key: str
+    ) -> None:
         headers = {
+            **{name: str(value) for name, value in extra.items()},
             "Authorization": f"Bearer {API_KEY}",
             "Idempotency-Key": key,
             "Content-Type": "application/json",
@@ -128,6 +139,8 @@ class Sender:
                     self.accepted.setdefault(key, set()).add(body)
                 elif response.status_code == 422:
                     self.refused.setdefault(key, set()).add(body)
+                elif response.status_code == 400:
+                    self.bad_requests.add(key)
                 else:
                     self.unexpected.append((key, response.status_code))
                 self.answers[str(response.status_code)] += 1
@@ -139,7 +152,9 @@ async def test_a_receiver_killed_mid_burst_while_senders_retry_loses_nothing(
     db_url: str, amqp_url: str, channel: str, tmp_path: Path
 ) -> None:
     """kill -9 of the receiver five times under a burst: every request ends accepted once or
-    refused as a conflict, every accepted key's effect happens once, nothing is lost."""
+    refused as a conflict, every accepted key's effect happens once, nothing is lost; hostile
+    body ids and tenants are forwarded and dead-lettered by the workers, an Idempotency-Key
+    the claims table cannot hold (600 characters) is refused with 400 and forwarded never."""
     conn = await asyncpg.connect(db_url)
     try:
         await conn.execute(SCHEMA)
@@ -159,6 +174,17 @@ async def test_a_receiver_killed_mid_burst_while_senders_retry_loses_nothing(
     workers = Workers(env, tmp_path)
     sender = Sender(f"http://127.0.0.1:{port}/webhooks/chaos")
     probe = Probe(db_url)
+    # HTTP cannot carry a NUL or a lone surrogate in a header; a 600-character key it can.
+    long_keys = [
+        hostile_key(kind, message_id)
+        for message_id, kind in workload.invalid_keys.items()
+        if kind == "long"
+    ]
+    requests = list(workload.messages)
+    requests[len(requests) // 2 : len(requests) // 2] = [
+        (json.dumps({"id": key, "v": 0}).encode(), {"X-Tenant": TENANTS[0]}, key)
+        for key in long_keys
+    ]
     kills = 0
     began = time.monotonic()
     try:
@@ -166,9 +192,9 @@ async def test_a_receiver_killed_mid_burst_while_senders_retry_loses_nothing(
         await receiver.wait_ready()
         workers.start()
         workers.start()
-        sending = asyncio.create_task(sender.send_all(workload.messages))
+        sending = asyncio.create_task(sender.send_all(requests))
         for i in range(FAULTS):
-            target = len(workload.messages) * (i + 1) // (FAULTS + 1)
+            target = len(requests) * (i + 1) // (FAULTS + 1)
             deadline = time.monotonic() + 300
             while sender.answered < target and not sending.done():
                 assert time.monotonic() < deadline, "the senders made no progress"
@@ -178,13 +204,13 @@ async def test_a_receiver_killed_mid_burst_while_senders_retry_loses_nothing(
             receiver.start()
         await asyncio.wait_for(sending, REQUEST_DEADLINE_S * 2)
         drain_s = await wait_drained(
-            probe, lambda: broker.backlog(channel), workload, within_s=LEASE_S + 30
+            probe, lambda: broker.backlog(channel), workload.claimed, within_s=LEASE_S + 30
         )
         assert all(proc.poll() is None for proc in workers.procs), "a worker died"
     finally:
         receiver.stop()
         workers.stop()
-    letters = await broker.dead_letters(channel, limit=len(workload.poison) + 100)
+    letters = await broker.dead_letters(channel, limit=workload.letters_at_most)
     problems, figures = await check(probe, letters, workload, conflicts_dead_lettered=False)
     if sender.unanswered:
         problems.append(f"requests without a final answer: {sender.unanswered[:10]}")
@@ -200,6 +226,16 @@ async def test_a_receiver_killed_mid_burst_while_senders_retry_loses_nothing(
         )
     if refused_keys != workload.conflicts:
         problems.append(f"conflicts not refused: {sorted(workload.conflicts - refused_keys)[:10]}")
+    if sender.bad_requests != set(long_keys):
+        problems.append(
+            f"400 answers differ: for {len(sender.bad_requests)} keys, "
+            f"expected for the {len(long_keys)} keys of 600 characters"
+        )
+    edge_claims = await probe.value(
+        "SELECT count(*) FROM dedupe_claims WHERE key = ANY($1::text[])", long_keys
+    )
+    if edge_claims:
+        problems.append(f"{edge_claims} claims for keys refused with 400")
     await record(
         Report(
             scenario=f"receiver: kill -9 mid-burst ({sender.retries} sender retries)",

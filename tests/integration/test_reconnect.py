@@ -125,11 +125,11 @@ async def test_dead_letters_still_go_out_when_the_copy_channel_was_lost(
     async with running(app, store, transport):
 
         async def connected() -> bool:
-            return transport._publish_channel is not None
+            return transport.copies.channel is not None
 
         await eventually(connected)
-        assert transport._publish_channel is not None
-        await transport._publish_channel.close()
+        assert transport.copies.channel is not None
+        await transport.copies.channel.close()
         await publish_stream(amqp_url, channel, 2)
 
         async def dead_lettered() -> bool:

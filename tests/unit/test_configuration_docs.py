@@ -6,15 +6,10 @@ import dataclasses
 import re
 
 from consumers.kafka import KafkaTransport
-from consumers.kafka_clients import KafkaOptions
-from dedupe.cli.reference import (
-    KAFKA_MEANING,
-    KAFKA_RUN_DEFAULT,
-    MEANING,
-    OTHER_VARIABLES,
-    reference,
-    settings_read_by,
-)
+from consumers.kafka_options import MEANING as KAFKA_MEANING
+from consumers.kafka_options import RUN_DEFAULT as KAFKA_RUN_DEFAULT
+from consumers.kafka_options import KafkaOptions
+from dedupe.cli.reference import MEANING, OTHER_VARIABLES, reference, settings_read_by
 from dedupe.settings import Settings
 from tests.conftest import ROOT
 

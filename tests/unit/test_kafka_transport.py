@@ -89,7 +89,7 @@ async def test_the_commit_loop_goes_on_after_an_unexpected_error(
 async def test_a_dead_letter_write_is_retried_while_the_error_is_transient() -> None:
     producer = Producer([KafkaConnectionError(), None])
     transport = transport_with(producer)
-    assert await transport._send_dead_letter(Record(), DEAD, never_closing)
+    assert await transport.dead_letters.send(Record(), DEAD, never_closing)
     assert len(producer.sent) == 2
     assert producer.sent[-1]["value"] == b"x" * 100
 
@@ -100,7 +100,7 @@ async def test_a_dead_letter_too_large_for_the_broker_goes_out_without_its_body(
     """Headers, origin and reason kept, plus a header saying the body was dropped and why."""
     producer = Producer([MessageSizeTooLargeError("1048700 bytes"), None])
     transport = transport_with(producer)
-    assert await transport._send_dead_letter(Record(), DEAD, never_closing)
+    assert await transport.dead_letters.send(Record(), DEAD, never_closing)
     full, bodiless = producer.sent
     assert (full["value"], bodiless["value"]) == (b"x" * 100, b"")
     assert bodiless["topic"] == "orders.dlq" and bodiless["key"] == b"k1"
@@ -124,7 +124,7 @@ async def test_a_dead_letter_that_can_never_be_written_is_refused_loudly_not_ret
     producer = Producer([too_large, too_large, too_large])
     transport = transport_with(producer)
     async with asyncio.timeout(1):
-        assert not await transport._send_dead_letter(Record(), DEAD, never_closing)
+        assert not await transport.dead_letters.send(Record(), DEAD, never_closing)
     assert len(producer.sent) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 2
@@ -139,7 +139,7 @@ async def test_a_dead_letter_refused_for_another_reason_keeps_its_body_and_is_he
     producer = Producer([PolicyViolationError("not allowed"), None])
     transport = transport_with(producer)
     async with asyncio.timeout(1):
-        assert not await transport._send_dead_letter(Record(), DEAD, never_closing)
+        assert not await transport.dead_letters.send(Record(), DEAD, never_closing)
     assert [sent["value"] for sent in producer.sent] == [b"x" * 100]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "was refused" in errors[0]
@@ -149,5 +149,5 @@ async def test_a_revoked_partition_stops_retrying_its_dead_letter() -> None:
     producer = Producer([KafkaConnectionError()] * 100)
     transport = transport_with(producer)
     async with asyncio.timeout(1):
-        assert not await transport._send_dead_letter(Record(), DEAD, lambda: True)
+        assert not await transport.dead_letters.send(Record(), DEAD, lambda: True)
     assert len(producer.sent) == 1
