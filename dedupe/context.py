@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from .message import Message
+
+if TYPE_CHECKING:
+    from .effects import RunEffects
 
 
 class Database:
@@ -24,6 +28,10 @@ class Database:
         self._conn: asyncpg.Connection | None = None
         self._tx: Any = None
         self._closed = False
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        return self._pool
 
     @property
     def started(self) -> bool:
@@ -105,3 +113,44 @@ class Context:
     message: Message
     db: Database
     logger: logging.LoggerAdapter[logging.Logger] = field(repr=False)
+    effects: RunEffects | None = field(default=None, repr=False)
+
+    async def publish(
+        self,
+        channel: str,
+        body: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> str:
+        """Publish through the outbox: stored in the completion transaction (a zombie's or a
+        failed run's publishes roll back with its writes), relayed with confirms afterwards.
+
+        Args:
+            channel: Where to publish (a queue on RabbitMQ, a topic on Kafka).
+            body: bytes, a pydantic model or a JSON value (encoded the same way every time).
+            key: The message id; by default one derived from the scope, the key, the channel and
+                this publish's place among the run's publishes to that channel (stable across
+                attempts, so a re-run's copy is a duplicate downstream). Pass one when the
+                handler publishes conditionally.
+            headers: Message headers.
+
+        Returns:
+            The message id.
+        """
+        return await self._effects().publish(channel, body, key=key, headers=headers)
+
+    async def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(*args, **kwargs)` once per key: its JSON result is recorded under (scope, key,
+        name) as soon as it returns and given back to later attempts without calling `fn`.
+
+        `fn` may be sync (run in a thread) or async. Give the external system
+        `f"{ctx.key}/{name}"` as its idempotency key: a crash between its call and the record
+        repeats the call, with the same key.
+        """
+        return await self._effects().step(name, fn, *args, **kwargs)
+
+    def _effects(self) -> RunEffects:
+        if self.effects is None:
+            raise RuntimeError("ctx.publish and ctx.step need the worker's run (not a test stub)")
+        return self.effects

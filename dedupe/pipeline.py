@@ -18,12 +18,14 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import outbox
 from .app import App, Handler
 from .claiming import Claims, Ours, Terms, Unavailable, Unclaimable, Verdict, request_for
 from .errors import StoreError
 from .leases import Lease, Leases
 from .message import Message
 from .observe import Observer, Observers
+from .outbox import Relay
 from .outcomes import (
     REQUEUE_INTERNAL,
     REQUEUE_STOPPING,
@@ -38,7 +40,7 @@ from .outcomes import (
 )
 from .runs import Runner
 from .store import ClaimStore
-from .transport import ACK, Delivery, Reason, Settlement
+from .transport import ACK, Delivery, Publisher, Reason, Settlement
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class Processor:
         max_defer_s: float = 30.0,
         heartbeat_s: float | None = None,
         observers: Sequence[Observer] = (),
+        publisher: Publisher | None = None,
     ) -> None:
         self.app = app
         self.store = store
@@ -88,6 +91,10 @@ class Processor:
         self.runner = Runner(
             app, store, self.leases, self.stats, self.observer, concurrency=concurrency
         )
+        # The outbox relay (ctx.publish) runs in every worker that can publish.
+        self.relay = Relay(store.pool, publisher) if publisher is not None else None
+        if self.relay is not None:
+            self.runner.on_published = self.relay.wake
         self._channels = app.channels
         self._runners = concurrency
         self._batches: set[_Batch] = set()
@@ -101,6 +108,8 @@ class Processor:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Processor:
+        if self.relay is not None:
+            await self.relay.__aenter__()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="dedupe-heartbeat"))
         if self._gc_interval_s:
             self._tasks.append(asyncio.create_task(self._gc_loop(), name="dedupe-gc"))
@@ -112,6 +121,8 @@ class Processor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.relay is not None:
+            await self.relay.__aexit__(None, None, None)
 
     async def drain(self, *, timeout_s: float) -> None:
         """Give back at once the claims no handler runs yet (queued behind others, waiting for
@@ -356,6 +367,7 @@ class Processor:
             await asyncio.sleep(self._gc_interval_s)
             try:
                 deleted = await self.store.gc()
+                await outbox.gc(self.store.pool)
             except StoreError as exc:
                 logger.warning("clean-up failed: %s", exc)
                 continue

@@ -8,21 +8,25 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import asyncpg
 from tenacity import RetryCallState, wait_exponential_jitter
 
+from . import outbox
 from .app import App, Handler
 from .batching import Batcher
 from .claiming import Ours
 from .context import Context, Database
+from .database import TRANSIENT_ERRORS
+from .effects import RunEffects
 from .errors import DedupeError, InvalidPayload, LeaseLost, Reject, Retry, StoreError
 from .hooks import Hooks
 from .leases import Lease, Leases
 from .message import Message
 from .observe import Observer
+from .outbox import Outgoing
 from .outcomes import (
     REQUEUE_STOPPING,
     Outcome,
@@ -63,6 +67,8 @@ class Runner:
         self.observer = observer
         self.hooks = Hooks(app)
         self.stopping = False
+        # Called after a commit that stored publishes (the relay sends them at once).
+        self.on_published: Callable[[], None] | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._isolation = asyncio.Lock()
         self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
@@ -179,6 +185,7 @@ class Runner:
         """
         handler, message, fence = ticket.handler, ticket.message, lease.fence
         db = Database(self.store.pool) if handler.takes_context else None
+        effects: RunEffects | None = None
         # The first run after a take-over (not counted yet) runs alone.
         isolate = self._isolation if lease.taken_over and not lease.counted else None
         try:
@@ -195,6 +202,7 @@ class Runner:
                     if db is None:
                         call = handler.fn(payload)
                     else:
+                        effects = RunEffects(db, fence, cancel=functools.partial(_lose, lease))
                         ctx = Context(
                             key=fence.key,
                             scope=fence.scope,
@@ -202,6 +210,7 @@ class Runner:
                             message=message,
                             db=db,
                             logger=_log(handler, message, lease),
+                            effects=effects,
                         )
                         call = handler.fn(payload, ctx)
                     began, ok = time.perf_counter(), False
@@ -222,9 +231,12 @@ class Runner:
                 await self.hooks("handled", message, fence)
             lease.completing = True
             if db is not None and db.started:
-                if not await self._complete_in(db, fence, result, handler.retention_s):
+                outgoing = effects.outgoing if effects is not None else []
+                if not await self._complete_in(db, fence, result, handler.retention_s, outgoing):
                     self.stats.fenced += 1
                     raise LeaseLost()
+                if outgoing and self.on_published is not None:
+                    self.on_published()
             else:
                 queued = self._completer.submit_nowait((fence, result, handler.retention_s))
                 return Pending(ticket, fence, result, queued)
@@ -241,12 +253,24 @@ class Runner:
                 await db.close()
 
     async def _complete_in(
-        self, db: Database, fence: Fence, result: str, retention_s: float
+        self,
+        db: Database,
+        fence: Fence,
+        result: str,
+        retention_s: float,
+        outgoing: Sequence[Outgoing],
     ) -> bool:
-        """Complete inside the handler's transaction and commit; a COMMIT that fails is the
-        store's failure (the message is requeued), not the handler's: whether it committed is
-        unknown, and the claim settles it (a duplicate, or a take-over after the lease)."""
-        done = await self.store.complete([(fence, result, retention_s)], conn=await db.connection())
+        """Store the run's publishes and complete inside the handler's transaction, then commit;
+        a COMMIT that fails is the store's failure (the message is requeued), not the
+        handler's: whether it committed is unknown, and the claim settles it (a duplicate, or
+        a take-over after the lease). A fenced completion rolls the publishes back too."""
+        conn = await db.connection()
+        if outgoing:
+            try:
+                await outbox.add(conn, outgoing, retention_s=retention_s)
+            except (asyncpg.PostgresError, *TRANSIENT_ERRORS) as exc:
+                raise StoreError(f"storing the run's publishes failed: {describe(exc)}") from exc
+        done = await self.store.complete([(fence, result, retention_s)], conn=conn)
         if not done:
             return False
         try:
@@ -297,6 +321,11 @@ class Runner:
             self.stats.lease_lost += 1
             return lease_lost(handler)
         return dead_letter(reason, detail, fence, failed_claim=True)
+
+
+def _lose(lease: Lease) -> None:
+    """A step found the key taken over: this run is a zombie; its outcome is lease lost."""
+    lease.lost = True
 
 
 def describe(exc: BaseException | None) -> str:

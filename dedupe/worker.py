@@ -31,7 +31,7 @@ from .pipeline import Processor
 from .plugins import transport_plugin
 from .settings import Settings
 from .store import ClaimStore
-from .transport import Transport
+from .transport import Publisher, Transport
 
 logger = logging.getLogger("dedupe.worker")
 
@@ -83,6 +83,7 @@ class Worker:
             read from the DEDUPE_* variables.
         observers: Metrics, or your own dedupe.observe.Observer.
         transport: A transport to use instead of the one the broker URL's scheme names.
+        publisher: The outbox relay's publisher (ctx.publish), likewise.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class Worker:
         settings: Settings | None = None,
         observers: Sequence[Observer] = (),
         transport: Transport | None = None,
+        publisher: Publisher | None = None,
         **options: Any,
     ) -> None:
         if settings is None:
@@ -103,6 +105,7 @@ class Worker:
         self.app = app
         self._observers = list(observers)
         self._transport = transport
+        self._publisher = publisher
         self._processor: Processor | None = None
         self._serving: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -123,9 +126,13 @@ class Worker:
     async def __aenter__(self) -> Worker:
         settings = self.settings
         try:
-            if self._transport is None:
+            if self._transport is None or self._publisher is None:
                 plugin = transport_plugin(settings.broker_url)
-                self._transport = plugin.transport(settings, app_name=self.app.name)
+                if self._transport is None:
+                    self._transport = plugin.transport(settings, app_name=self.app.name)
+                if self._publisher is None:
+                    self._publisher = plugin.publisher(settings)
+            self._resources.push_async_callback(self._publisher.close)
             pool = await retrying(
                 "PostgreSQL",
                 lambda: connect_pool(settings.database_url, max_size=settings.concurrency + 4),
@@ -146,6 +153,7 @@ class Worker:
                     concurrency=settings.concurrency,
                     gc_interval_s=settings.gc_interval_s or None,
                     observers=observers,
+                    publisher=self._publisher,
                 )
             )
             self._resources.push_async_callback(self._transport.close)

@@ -1,0 +1,207 @@
+"""The transactional outbox: a run's publishes stored with its writes, relayed with confirms.
+
+`ctx.publish` (dedupe.effects) adds rows in the run's completion transaction; a zombie's or a
+rolled-back run's rows roll back with it. Every worker's `Relay` takes committed rows, whole
+producers (a run's scope and key) at a time and in order, publishes each with the broker's
+confirm, and marks them sent in the same transaction that locked them: a relay that dies before
+it commits leaves them to the next (at least once; the message id makes a repeat a duplicate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+import asyncpg
+
+from .database import TRANSIENT_ERRORS
+from .errors import StoreError
+from .sql import queries
+from .transport import Publisher
+from .values import storable_text
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One message a run publishes, as the outbox stores it."""
+
+    producer: str
+    channel: str
+    message_id: str
+    body: bytes
+    headers: dict[str, str]
+    content_type: str | None
+
+
+async def add(conn: asyncpg.Connection, rows: Sequence[Outgoing], *, retention_s: float) -> None:
+    """Store a run's publishes in its transaction (`conn`), in call order."""
+    if not rows:
+        return
+    await conn.execute(
+        queries("outbox.sql")["add"],
+        [r.producer for r in rows],
+        [r.channel for r in rows],
+        [r.message_id for r in rows],
+        [r.body for r in rows],
+        [json.dumps(r.headers) for r in rows],
+        [r.content_type for r in rows],
+        float(retention_s),
+    )
+
+
+@dataclass
+class RelayStats:
+    sent: int = 0
+    refused: int = 0
+
+
+class Relay:
+    """Relays committed outbox rows through `publisher`, every `interval_s` and when woken.
+
+    Use as an async context manager; `wake()` after a commit that added rows relays at once.
+    """
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        publisher: Publisher,
+        *,
+        interval_s: float = 0.5,
+        batch: int = 200,
+        concurrency: int = 16,
+    ) -> None:
+        self.pool = pool
+        self.publisher = publisher
+        self.interval_s = interval_s
+        self.batch = batch
+        self.stats = RelayStats()
+        self._concurrency = concurrency
+        self._q = queries("outbox.sql")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self._loop(), name="dedupe-relay")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        failures = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s * 2**failures):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                while await self.relay_once() >= self.batch:
+                    pass  # a full batch: more may be waiting
+                failures = 0
+            except StoreError as exc:
+                failures = min(failures + 1, 5)
+                logger.warning("outbox relay: %s", exc)
+
+    async def relay_once(self) -> int:
+        """Take, publish and mark one batch; return how many rows it took."""
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                rows = list(await conn.fetch(self._q["take"], self.batch))
+                if not rows:
+                    return 0
+                sent, refused = await self._publish(rows)
+                if sent:
+                    await conn.execute(self._q["sent"], sent)
+                for row_id, error in refused:
+                    await conn.execute(self._q["refused"], row_id, error)
+        except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
+            raise StoreError(
+                f"relaying the outbox failed: {exc.__class__.__name__}: {exc}"
+            ) from exc
+        self.stats.sent += len(sent)
+        self.stats.refused += len(refused)
+        return len(rows)
+
+    async def _publish(
+        self, rows: Sequence[asyncpg.Record]
+    ) -> tuple[list[int], list[tuple[int, str]]]:
+        """Each producer's rows in order (one at a time, confirmed); producers side by side.
+        A producer stops at its first row not due or refused: its later rows wait for it."""
+        sent: list[int] = []
+        refused: list[tuple[int, str]] = []
+        slots = asyncio.Semaphore(self._concurrency)
+
+        async def one_producer(chain: list[asyncpg.Record]) -> None:
+            async with slots:
+                for row in chain:
+                    if not row["due"]:
+                        return
+                    headers = json.loads(row["headers"])
+                    if row["content_type"]:
+                        headers.setdefault("content-type", row["content_type"])
+                    try:
+                        await self.publisher.publish(
+                            row["channel"],
+                            bytes(row["body"]),
+                            message_id=row["message_id"],
+                            headers=headers,
+                        )
+                    except Exception as exc:
+                        error = storable_text(f"{exc.__class__.__name__}: {exc}", 500)
+                        logger.warning(
+                            "outbox relay: %s refused message %s (%s); trying again later",
+                            row["channel"],
+                            row["message_id"],
+                            error,
+                        )
+                        refused.append((row["id"], error))
+                        return
+                    sent.append(row["id"])
+
+        by_producer: dict[str, list[asyncpg.Record]] = {}
+        for row in rows:  # in id order: each producer's chain in publish order
+            by_producer.setdefault(row["producer"], []).append(row)
+        await asyncio.gather(*(one_producer(chain) for chain in by_producer.values()))
+        return sent, refused
+
+
+async def backlog(pool: asyncpg.Pool) -> dict[str, Any]:
+    """Unsent rows, the age of the oldest (relay lag) and how many were refused at least once."""
+    try:
+        row = await pool.fetchrow(queries("outbox.sql")["backlog"])
+    except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
+        raise StoreError(f"reading the outbox failed: {exc}") from exc
+    assert row is not None
+    return dict(row)
+
+
+async def gc(pool: asyncpg.Pool, *, batch_size: int = 1000, max_batches: int = 100) -> int:
+    """Delete sent rows past their retention, in batches."""
+    deleted = 0
+    try:
+        for _ in range(max_batches):
+            status = await pool.execute(queries("outbox.sql")["gc"], batch_size)
+            count = int(status.split()[-1])
+            deleted += count
+            if count < batch_size:
+                break
+    except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
+        raise StoreError(f"outbox clean-up failed: {exc}") from exc
+    return deleted
+
+
+__all__ = ["Outgoing", "Relay", "RelayStats", "add", "backlog", "gc"]

@@ -1,0 +1,77 @@
+-- Named queries of the outbox and the durable steps (dedupe/outbox.py, dedupe/steps.py).
+
+-- name: add
+-- The run's publishes, in its completion transaction.
+INSERT INTO dedupe_outbox (producer, channel, message_id, body, headers, content_type, expires_at)
+SELECT producer, channel, message_id, body, headers::jsonb, content_type,
+       now() + make_interval(secs => $7)
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[])
+       WITH ORDINALITY AS i(producer, channel, message_id, body, headers, content_type, n)
+ ORDER BY n;
+
+-- name: take
+-- The relay's next rows, inside its transaction: whole producers at a time (an advisory lock
+-- per producer keeps a producer's rows with one relay, in order), the producers' unsent rows
+-- in id order, due now, locked until the relay commits that they were sent.
+-- A producer is a candidate when one of its rows is due; the relay stops at a producer's first
+-- row not due (a refused one waiting out its backoff), so its later rows never overtake it.
+WITH candidates AS (
+    SELECT producer, min(id) AS first
+      FROM (SELECT id, producer FROM dedupe_outbox
+             WHERE sent_at IS NULL AND next_try_at <= now() ORDER BY id LIMIT $1 * 4) AS due
+     GROUP BY producer
+     ORDER BY first
+     LIMIT $1
+), mine AS (
+    SELECT producer FROM candidates
+     WHERE pg_try_advisory_xact_lock(hashtextextended(producer, 7))
+)
+SELECT o.id, o.producer, o.channel, o.message_id, o.body, o.headers::text AS headers,
+       o.content_type, o.attempts, o.next_try_at <= now() AS due
+  FROM dedupe_outbox o JOIN mine m ON m.producer = o.producer
+ WHERE o.sent_at IS NULL
+ ORDER BY o.id
+ LIMIT $1
+   FOR UPDATE OF o SKIP LOCKED;
+
+-- name: sent
+UPDATE dedupe_outbox SET sent_at = now(), last_error = NULL
+ WHERE id = ANY($1::bigint[]);
+
+-- name: refused
+-- A publish the broker refused: tried again after a backoff; counted, never dropped.
+UPDATE dedupe_outbox
+   SET attempts = attempts + 1, last_error = $2,
+       next_try_at = now() + make_interval(secs => least(60, 0.5 * 2 ^ least(attempts, 7)))
+ WHERE id = $1;
+
+-- name: backlog
+SELECT count(*)::bigint AS unsent,
+       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_s,
+       count(*) FILTER (WHERE attempts > 0)::bigint AS refused
+  FROM dedupe_outbox WHERE sent_at IS NULL;
+
+-- name: gc
+DELETE FROM dedupe_outbox
+ WHERE id IN (SELECT id FROM dedupe_outbox
+               WHERE sent_at IS NOT NULL AND expires_at < now()
+               ORDER BY expires_at LIMIT $1);
+
+-- name: step_result
+-- A step's recorded result, and whether the run ($4: its token) still holds the key: a zombie
+-- learns it was taken over before it calls the step's function.
+SELECT (SELECT result::text FROM dedupe_steps
+         WHERE scope = $1 AND key = $2 AND name = $3) AS result,
+       EXISTS (SELECT 1 FROM dedupe_claims
+                WHERE scope = $1 AND key = $2 AND token = $4 AND status = 'in_progress') AS ours;
+
+-- name: record_step
+-- Fenced by the run's token: a zombie's step is refused once another worker took the key.
+WITH ours AS (
+    SELECT 1 FROM dedupe_claims
+     WHERE scope = $1 AND key = $2 AND token = $4 AND status = 'in_progress'
+)
+INSERT INTO dedupe_steps (scope, key, name, result, token)
+SELECT $1, $2, $3, $5::text::jsonb, $4 FROM ours
+    ON CONFLICT (scope, key, name) DO NOTHING
+RETURNING 1;

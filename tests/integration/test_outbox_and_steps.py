@@ -1,0 +1,332 @@
+"""Effects beyond the database, on real services: ctx.publish goes through the outbox in the
+completion transaction and is relayed with confirms; ctx.step runs once per key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import asyncpg
+import pytest
+from pydantic import BaseModel
+
+from consumers.kafka_clients import KafkaPublisher
+from consumers.memory import MemoryDelivery, make_message
+from consumers.rabbitmq import RabbitMQPublisher
+from dedupe import App, Context
+from dedupe.effects import _NAMESPACE, StepError
+from dedupe.pipeline import Processor
+from dedupe.store import ClaimRequest, ClaimStore
+from dedupe.transport import Action, Publisher, Reason
+from tests.conftest import delete_channel_everywhere, eventually, running
+from tests.integration.brokers import Broker
+
+CH = "orders"
+
+
+class Order(BaseModel):
+    n: int
+
+
+def order(key: str, n: int = 1) -> MemoryDelivery:
+    return MemoryDelivery(make_message(CH, json.dumps({"n": n}), message_id=key))
+
+
+class Recording:
+    """A publisher that records what it was asked to send, failing the first `fail` times."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.sent: list[tuple[str, bytes, str, dict[str, str]]] = []
+        self.fail = fail
+
+    async def publish(
+        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
+    ) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("broker refused (simulated)")
+        self.sent.append((channel, body, message_id, dict(headers)))
+
+    async def close(self) -> None:
+        pass
+
+
+def publishing_app(*, fail_first: bool = False, count: int = 1) -> App:
+    app = App("shop")
+    failed: set[str] = set()
+
+    @app.handler(CH, backoff_s=0.01, max_backoff_s=0.01)
+    async def place(payload: Order, ctx: Context) -> None:
+        await ctx.db.execute("INSERT INTO orders VALUES ($1)", ctx.key)
+        for i in range(count):
+            await ctx.publish("emails", {"order": ctx.key, "i": i})
+        if fail_first and ctx.key not in failed:
+            failed.add(ctx.key)
+            raise ValueError("the first attempt fails after publishing")
+
+    return app
+
+
+@pytest.fixture
+async def orders(db: asyncpg.Connection) -> asyncpg.Connection:
+    await db.execute("CREATE TABLE orders (key text NOT NULL)")
+    return db
+
+
+async def test_publishes_are_stored_with_the_writes_and_relayed_in_order(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """Five publishes of one run reach the publisher once each, in call order, with message ids
+    derived from scope, key, channel and position; the rows are marked sent."""
+    publisher = Recording()
+    async with Processor(publishing_app(count=5), store, publisher=publisher) as processor:
+        await processor.process(CH, [order("o-1")])
+
+        async def relayed() -> bool:
+            return len(publisher.sent) == 5
+
+        await eventually(relayed, timeout_s=5)
+    assert [json.loads(body)["i"] for _, body, _, _ in publisher.sent] == [0, 1, 2, 3, 4]
+    ids = [message_id for _, _, message_id, _ in publisher.sent]
+    assert len(set(ids)) == 5
+    assert {channel for channel, _, _, _ in publisher.sent} == {"emails"}
+    unsent = await orders.fetchval("SELECT count(*) FROM dedupe_outbox WHERE sent_at IS NULL")
+    assert unsent == 0
+
+
+async def test_a_failed_attempts_publishes_roll_back_and_the_retry_publishes_the_same_ids(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """The first attempt publishes, then fails: nothing of it is stored; the retry's publish
+    carries the same message id (a re-run's copy is a duplicate downstream)."""
+    publisher = Recording()
+    async with Processor(publishing_app(fail_first=True), store, publisher=publisher) as p:
+        delivery = order("o-2")
+        await p.process(CH, [delivery])
+        assert delivery.settlements[-1].action is Action.ACK
+
+        async def relayed() -> bool:
+            return len(publisher.sent) == 1
+
+        await eventually(relayed, timeout_s=5)
+    assert await orders.fetchval("SELECT count(*) FROM orders") == 1
+    assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox") == 1
+    # The id a first attempt would have had too: derived, not random.
+    assert publisher.sent[0][2] == str(uuid.uuid5(_NAMESPACE, "shop.place\x1fo-2\x1femails\x1f0"))
+
+
+async def test_a_zombies_publishes_roll_back_with_its_writes(
+    store: ClaimStore, db_url: str, orders: asyncpg.Connection
+) -> None:
+    """A run whose key was taken over publishes nothing: its completion is fenced and the
+    outbox row goes with the rolled-back transaction."""
+    app = App("shop")
+    release = asyncio.Event()
+
+    @app.handler(CH, lease_s=0.5)
+    async def place(payload: Order, ctx: Context) -> None:
+        await ctx.publish("emails", {"order": ctx.key})
+        await release.wait()
+
+    publisher = Recording()
+    async with Processor(app, store, publisher=publisher, heartbeat_s=3600) as zombie:
+        delivery = order("o-3")
+        running_task = asyncio.create_task(zombie.process(CH, [delivery]))
+        await asyncio.sleep(0.7)  # the lease lapses; no heartbeat
+        async with ClaimStore.open(db_url, owner="other") as other:
+            [taken] = await other.claim_batch(
+                [ClaimRequest("shop.place", "o-3", delivery.message.payload_hash)],
+                lease_s=30,
+                retention_s=3600,
+            )
+            assert taken.owned and taken.taken_over
+        release.set()
+        await running_task
+        assert delivery.settlements[-1].action is Action.DEFER  # lease lost
+    assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox") == 0
+    assert publisher.sent == []
+
+
+async def test_a_refused_publish_is_retried_counted_and_never_dropped(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """The broker refuses twice: the row is kept, its attempts counted, then sent."""
+    publisher = Recording(fail=2)
+    async with Processor(publishing_app(), store, publisher=publisher) as processor:
+        assert processor.relay is not None
+        processor.relay.interval_s = 0.05
+        await processor.process(CH, [order("o-4")])
+
+        async def marked_sent() -> bool:
+            return bool(await orders.fetchval("SELECT sent_at IS NOT NULL FROM dedupe_outbox"))
+
+        await eventually(marked_sent, timeout_s=10)
+        assert processor.relay.stats.refused == 2
+    assert len(publisher.sent) == 1
+    assert await orders.fetchval("SELECT attempts FROM dedupe_outbox") == 2
+
+
+def real_publisher(broker: Broker) -> Publisher:
+    url = getattr(broker, "url")  # noqa: B009
+    return KafkaPublisher(url) if broker.name == "kafka" else RabbitMQPublisher(url)
+
+
+@pytest.fixture
+async def second(request: pytest.FixtureRequest, channel: str) -> AsyncIterator[str]:
+    """A second channel of the test's own, deleted at the end."""
+    name = f"{channel}-b"
+    yield name
+    await delete_channel_everywhere(request, name)
+
+
+async def test_a_two_stage_chain_runs_each_stage_once_on_the_broker(
+    broker: Broker, channel: str, second: str, store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """Stage A writes and publishes to stage B through the outbox; every order has one effect
+    at each stage, and a relay repeat (the rows sent again) is a duplicate for B."""
+    await db.execute("CREATE TABLE effects (stage text NOT NULL, key text NOT NULL)")
+    app = App("chain")
+
+    @app.handler(channel)
+    async def stage_a(payload: Order, ctx: Context) -> None:
+        await ctx.db.execute("INSERT INTO effects VALUES ('a', $1)", ctx.key)
+        await ctx.publish(second, {"n": payload.n})
+
+    @app.handler(second)
+    async def stage_b(payload: Order, ctx: Context) -> None:
+        await ctx.db.execute("INSERT INTO effects VALUES ('b', $1)", str(payload.n))
+
+    publisher = real_publisher(broker)
+    try:
+        await broker.publish(
+            channel, [(json.dumps({"n": i}).encode(), {}, f"k{i}") for i in range(20)]
+        )
+        async with running(app, store, broker.transport(), publisher=publisher) as worker:
+
+            async def both_stages() -> bool:
+                return worker.stats.completed == 40
+
+            await eventually(both_stages, timeout_s=30)
+            await db.execute("UPDATE dedupe_outbox SET sent_at = NULL")  # a relay repeat
+
+            async def repeated() -> bool:
+                return worker.stats.duplicates == 20
+
+            await eventually(repeated, timeout_s=30)
+        rows = await db.fetch("SELECT stage, count(*) AS n FROM effects GROUP BY stage")
+        assert {r["stage"]: r["n"] for r in rows} == {"a": 20, "b": 20}
+        assert await db.fetchval("SELECT count(DISTINCT key) FROM effects WHERE stage = 'b'") == 20
+    finally:
+        await publisher.close()
+
+
+# -- durable steps ---------------------------------------------------------------------------
+
+
+def stepping_app(calls: list[str], *, fail_after_step: int = 0, sync: bool = False) -> App:
+    app = App("pay")
+    failures = {"left": fail_after_step}
+
+    def provider_sync(amount: int, *, idempotency_key: str) -> dict[str, Any]:
+        calls.append(idempotency_key)
+        return {"charge": f"ch_{len(calls)}", "amount": amount}
+
+    async def provider(amount: int, *, idempotency_key: str) -> dict[str, Any]:
+        return provider_sync(amount, idempotency_key=idempotency_key)
+
+    @app.handler(CH, backoff_s=0.01, max_backoff_s=0.01, max_attempts=3, retry_on=(ValueError,))
+    async def charge(payload: Order, ctx: Context) -> dict[str, Any]:
+        fn = provider_sync if sync else provider
+        result = await ctx.step("charge", fn, payload.n, idempotency_key=f"{ctx.key}/charge")
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ValueError("the e-mail step failed")
+        return result  # type: ignore[no-any-return]
+
+    return app
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async fn", "sync fn"])
+async def test_a_step_runs_once_across_retries(store: ClaimStore, sync: bool) -> None:
+    """Two attempts fail after the step: the provider is called once, and the result the
+    handler returns at last is the one recorded by the first attempt."""
+    calls: list[str] = []
+    async with Processor(stepping_app(calls, fail_after_step=2, sync=sync), store) as p:
+        delivery = order("p-1", 700)
+        await p.process(CH, [delivery])
+    assert calls == ["p-1/charge"]
+    outcome = delivery.settlements[-1]
+    assert outcome.action is Action.ACK
+    assert json.loads(outcome.result or "null") == {"charge": "ch_1", "amount": 700}
+
+
+async def test_a_steps_record_outlives_a_failure_a_release_and_the_rerun(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """The key fails for good after its step; an operator releases it; the re-run does not
+    charge again (step records survive claims release and dlq replay)."""
+    calls: list[str] = []
+    async with Processor(stepping_app(calls, fail_after_step=3), store) as p:
+        first = order("p-2", 5)
+        await p.process(CH, [first])
+        assert first.settlements[-1].reason is Reason.MAX_ATTEMPTS
+    assert await store.release("pay.charge", "p-2") == "failed"
+    async with Processor(stepping_app(calls), store) as p:
+        again = order("p-2", 5)
+        await p.process(CH, [again])
+        assert again.settlements[-1].action is Action.ACK
+    assert calls == ["p-2/charge"]
+    assert await db.fetchval("SELECT count(*) FROM dedupe_steps") == 1
+
+
+async def test_a_step_result_that_is_not_json_is_an_error_at_the_call(store: ClaimStore) -> None:
+    """A step returning an object JSON cannot hold fails the attempt with a clear error."""
+    app = App("pay")
+
+    @app.handler(CH, retry_on=())
+    async def charge(payload: Order, ctx: Context) -> None:
+        await ctx.step("charge", lambda: object())
+
+    async with Processor(app, store) as p:
+        delivery = order("p-3")
+        await p.process(CH, [delivery])
+    outcome = delivery.settlements[-1]
+    assert outcome.reason is Reason.HANDLER_ERROR
+    assert "must be JSON" in (outcome.detail or "")
+    assert StepError.__name__ in (outcome.detail or "")
+
+
+async def test_a_zombies_step_is_refused_and_not_trusted_by_the_next_owner(
+    store: ClaimStore, db_url: str, db: asyncpg.Connection
+) -> None:
+    """A run frozen past its lease is taken over; its step after that is refused by the fence
+    (the zombie's run ends as lease lost) and nothing it would record is kept."""
+    app = App("pay")
+    thaw = asyncio.Event()
+    calls: list[str] = []
+
+    @app.handler(CH, lease_s=0.5)
+    async def charge(payload: Order, ctx: Context) -> None:
+        await thaw.wait()
+        await ctx.step("charge", lambda: calls.append(ctx.key) or {"ok": True})
+
+    async with Processor(app, store, heartbeat_s=3600) as zombie:
+        delivery = order("p-4")
+        task = asyncio.create_task(zombie.process(CH, [delivery]))
+        await asyncio.sleep(0.7)
+        async with ClaimStore.open(db_url, owner="other") as other:
+            [taken] = await other.claim_batch(
+                [ClaimRequest("pay.charge", "p-4", delivery.message.payload_hash)],
+                lease_s=30,
+                retention_s=3600,
+            )
+            assert taken.owned
+        thaw.set()
+        await task
+        assert delivery.settlements[-1].action is Action.DEFER
+        assert zombie.stats.lease_lost == 1
+    assert calls == []  # the fence is looked at before the step's function is called
+    assert await db.fetchval("SELECT count(*) FROM dedupe_steps") == 0
