@@ -58,6 +58,14 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
+    @api.post("/flaky", status_code=201)
+    async def flaky(request: Request) -> Any:
+        attempt = request.state.idempotency.attempt
+        order_id = await _order(request, "flaky")
+        if attempt < 2:
+            return JSONResponse({"error": "try again"}, status_code=503)
+        return {"order_id": order_id, "attempt": attempt}
+
     @api.post("/state")
     async def state(request: Request) -> dict[str, Any]:
         idempotency = request.state.idempotency
