@@ -271,6 +271,7 @@ class KeyedRun:
                     completed = await self.store.complete(outcome, conn=conn)
                     if completed:
                         await self.db.commit()
+                        await self.db.close()  # a background task after the answer: no tx
                 else:
                     completed = await self.store.complete(outcome)
         except Exception as exc:

@@ -304,3 +304,18 @@ async def test_a_heartbeat_that_finds_the_key_taken_cancels_the_endpoint(
         elapsed = asyncio.get_running_loop().time() - started
     assert lost.status_code == 409 and elapsed < 3
     assert await orders(db) == []
+
+
+async def test_the_status_overview_counts_http_keys_replays_and_conflicts(
+    orders_db: str, store: Any
+) -> None:
+    """The status page's overview lists `shop.http` with its replays and conflicts."""
+    from dedupe.operations import ClaimAdmin
+
+    async with serving(create_test_api(orders_db)) as base, client_of(base) as client:
+        await post(client, "s-1", {"sku": "a"})
+        await post(client, "s-1", {"sku": "a"})
+        await post(client, "s-1", {"sku": "b"})
+    # The counts are flushed at the lifespan's shutdown (and every 5 s while serving).
+    [row] = [r for r in await ClaimAdmin(store).overview() if r["handler"] == "shop.http"]
+    assert (row["completed"], row["duplicates"], row["conflicts"]) == (1, 1, 1)
