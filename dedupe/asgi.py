@@ -188,7 +188,11 @@ class IdempotencyMiddleware:
             return message
 
         async def sending(message: ASGIMessage) -> None:
-            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+            if message["type"] in (
+                "lifespan.startup.failed",
+                "lifespan.shutdown.complete",
+                "lifespan.shutdown.failed",
+            ):
                 await self.close()
             await send(message)
 
