@@ -18,6 +18,8 @@ from typing import Any
 
 import asyncpg
 from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from dedupe import App
@@ -73,6 +75,23 @@ async def read_order(order_id: int, request: Request) -> dict[str, Any]:
     return {"order_id": row["id"], "sku": row["sku"], "quantity": row["quantity"]}
 
 
+async def invalid_request(request: Request, exc: Exception) -> Response:
+    """422 problem+json naming the fields, never echoing the input (FastAPI's own handler
+    fails with a 500 on a body that is not UTF-8)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": [str(part) for part in error.get("loc", ())], "msg": str(error.get("msg", ""))}
+        for error in exc.errors()
+    ]
+    document = {
+        "type": "urn:dedupe-worker:problem:invalid-order",
+        "title": "Invalid order",
+        "status": 422,
+        "errors": errors,
+    }
+    return JSONResponse(document, status_code=422, media_type="application/problem+json")
+
+
 def create_api(
     database_url: str | None = None,
     *,
@@ -94,6 +113,7 @@ def create_api(
             yield
 
     api = FastAPI(title="orders", lifespan=lifespan)
+    api.add_exception_handler(RequestValidationError, invalid_request)
     api.add_middleware(
         IdempotencyMiddleware,
         dedupe_app=app,
