@@ -29,13 +29,11 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
     api = create_api(database_url, **options)
 
     @api.post("/slow", status_code=201)
-    async def slow(
-        request: Request, s: float = 1.0, sku: str = "slow", first_only: bool = False
-    ) -> dict[str, Any]:
-        """Sleeps `s` after its insert (only on the key's first attempt with first_only)."""
+    async def slow(request: Request, s: float = 1.0, sku: str = "slow") -> dict[str, Any]:
+        """Sleeps `s` after its insert, or X-Pause-S seconds when the request carries it
+        (headers are not fingerprinted: the retry without it is the same request)."""
         order_id = await _order(request, sku)
-        if not (first_only and request.state.idempotency.attempt > 1):
-            await asyncio.sleep(s)
+        await asyncio.sleep(float(request.headers.get("x-pause-s", s)))
         return {"order_id": order_id}
 
     @api.post("/fail")
