@@ -280,7 +280,7 @@ class IdempotencyMiddleware:
             # A re-run (after a crash, a 5xx or an operator's release): counted before it runs.
             try:
                 async with asyncio.timeout(STORE_TIMEOUT_S):
-                    counted = await store.record_attempt(
+                    counted = await self._claims.store.record_attempt(
                         verdict.fence,
                         attempt=attempt + 1,
                         error=None,
