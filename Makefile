@@ -57,6 +57,7 @@ BENCH_N ?= 20000
 bench: install services  ## benchmarks side by side, as ratios (BENCH_N=20000; about 10 min)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	BENCH_N=$(BENCH_N) $(BIN)/python -m bench.run
+	$(BIN)/python -m bench.http_api --requests $${BENCH_HTTP_N:-3000}
 
 bench-core: install services  ## CPU per message in the pipeline alone (no broker; PostgreSQL)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'

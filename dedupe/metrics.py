@@ -51,6 +51,19 @@ LATENCY_BUCKETS_S = (
     30.0,
 )
 OUTCOMES = ("completed", "duplicate", "conflict", "dead_lettered", "deferred", "requeued")
+# What the HTTP idempotency middleware (dedupe.asgi) made of a request it covers.
+HTTP_OUTCOMES = (
+    "new",
+    "replayed",
+    "conflict",
+    "in_flight",
+    "released_on_error",
+    "lease_lost",
+    "not_stored",
+    "refused",
+    "unavailable",
+    "unkeyed",
+)
 
 OLDEST_IN_PROGRESS_SQL = """
 SELECT coalesce(extract(epoch FROM now() - min(claimed_at)), 0)::float8 AS oldest_s,
@@ -109,8 +122,17 @@ class Metrics(Observer):
             "When the claims table was last looked at for the gauges above",
             registry=self.registry,
         )
+        self.http_requests = Counter(
+            "dedupe_http_requests",
+            "Requests covered by the idempotency middleware, by route and outcome (new, "
+            "replayed, conflict, in_flight, released_on_error, lease_lost, not_stored, refused, "
+            "unavailable, unkeyed)",
+            ["route", "outcome"],
+            registry=self.registry,
+        )
         self._children: dict[tuple[str, str], Any] = {}
         self._timers: dict[tuple[str, str], Any] = {}
+        self._http: dict[tuple[str, str], Any] = {}
 
     # -- the observer ------------------------------------------------------------------
 
@@ -140,6 +162,13 @@ class Metrics(Observer):
         child = self._children.get((handler, outcome))
         if child is None:
             child = self._children[(handler, outcome)] = self.messages.labels(handler, outcome)
+        child.inc()
+
+    def http_answered(self, route: str, outcome: str) -> None:
+        """One request through dedupe.asgi.IdempotencyMiddleware (an HTTP_OUTCOMES word)."""
+        child = self._http.get((route, outcome))
+        if child is None:
+            child = self._http[(route, outcome)] = self.http_requests.labels(route, outcome)
         child.inc()
 
     # -- the sources read at scrape time -------------------------------------------------
@@ -254,4 +283,4 @@ class _ReceiverCollector(Collector):
         yield family
 
 
-__all__ = ["LATENCY_BUCKETS_S", "Metrics"]
+__all__ = ["HTTP_OUTCOMES", "LATENCY_BUCKETS_S", "Metrics"]

@@ -2,7 +2,7 @@
 
 Two workers consume a burst of payment requests with duplicates, key conflicts, invalid and
 poison messages; one worker is killed with SIGKILL mid-run and restarted; the summary shows
-what ran once and the SQL that proves it.
+what ran once and the SQL that proves it. Then the HTTP API section (scripts/demo_http.py).
 """
 
 from __future__ import annotations
@@ -364,7 +364,15 @@ async def run(args: argparse.Namespace) -> int:
     print(
         "RESULT: " + ("every valid payment charged exactly once" if ok else "MISMATCH, see above")
     )
-    return 0 if ok else 1
+    http_ok = await http_api_section()
+    return 0 if ok and http_ok else 1
+
+
+async def http_api_section() -> bool:
+    """An orders API behind IdempotencyMiddleware: one order per key (scripts/demo_http.py)."""
+    from demo_http import run_http_demo  # scripts/ is on sys.path: this file runs as a script
+
+    return await run_http_demo(demo_url(), LOGS)
 
 
 def main() -> int:

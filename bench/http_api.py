@@ -1,0 +1,266 @@
+"""Benchmark of dedupe.asgi: the orders endpoint with and without IdempotencyMiddleware.
+
+    .venv/bin/python -m bench.http_api [--requests 3000] [--connections 16] [--half-load-s 10]
+
+(Named http_api, not http: a module `http` in bench/ would shadow the standard library's for
+any script run as `python bench/<script>.py`.)
+
+Two uvicorn processes on 127.0.0.1 serve handlers/orders_api.py's `POST /orders` (an insert,
+201 with the id) on a fresh database: one behind the middleware, one with the same endpoint in
+a plain transaction of its own (the endpoint's own rate). A keep-alive HTTP/1.1 load generator
+(asyncio streams) measures requests/s and p50/p99 for the endpoint alone, new keys (claim +
+insert + stored response in one transaction) and replays (claim finds the response), then p99
+of the endpoint alone and of new keys at half the endpoint's rate. Targets: replays >= 2x the
+endpoint's rate, new keys >= 0.7x, p99 added <= 10 ms at half load. One run; not in the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.receiver import free_port, read_response  # noqa: E402
+
+BODY = json.dumps({"sku": "bench", "quantity": 1}).encode()
+TOKEN = "Bearer bench-token"
+
+
+# -- the servers (run as `uvicorn --factory bench.http_api:with_middleware|without`) --------
+
+
+def with_middleware() -> Any:
+    """The orders API as handlers/orders_api.py builds it."""
+    from handlers.orders_api import create_api
+
+    return create_api(os.environ["DEDUPE_DATABASE_URL"])
+
+
+def without() -> Any:
+    """The same endpoint with no middleware: its writes in a transaction of their own."""
+    from fastapi import FastAPI
+
+    from handlers.orders_api import create_order, setup
+
+    url = os.environ["DEDUPE_DATABASE_URL"]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(api: FastAPI) -> AsyncIterator[None]:
+        from dedupe.database import connect_pool
+
+        await setup(url)
+        api.state.pool = await connect_pool(url, max_size=20)
+        try:
+            yield
+        finally:
+            await api.state.pool.close()
+
+    api = FastAPI(lifespan=lifespan)
+    api.post("/orders", status_code=201)(create_order)
+    return _OwnTransaction(api)
+
+
+class _OwnTransaction:
+    """request.state.idempotency.db as a plain transaction, committed as the answer starts."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from dedupe.asgi_run import Idempotency, run_unkeyed
+        from dedupe.context import Database
+
+        db = Database(self.app.state.pool)
+        scope.setdefault("state", {})["idempotency"] = Idempotency(db=db, key=None, scope=None)
+        await run_unkeyed(self.app, scope, receive, send, db)
+
+
+# -- the load ---------------------------------------------------------------------------------
+
+
+def request_bytes(port: int, key: str | None) -> bytes:
+    head = (
+        f"POST /orders HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: {TOKEN}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n"
+    )
+    if key is not None:
+        head += f"Idempotency-Key: {key}\r\n"
+    return (head + "\r\n").encode() + BODY
+
+
+async def phase(
+    port: int,
+    keys: list[str | None],
+    *,
+    connections: int,
+    rate: float | None = None,
+    deadline: float,
+) -> dict[str, Any]:
+    """One request per key over keep-alive connections, as fast as they go or paced at
+    `rate`/s; latency counted from when the request was due (no coordinated omission)."""
+    todo: asyncio.Queue[tuple[str | None, float]] = asyncio.Queue()
+    begin = time.perf_counter()
+    for i, key in enumerate(keys):
+        todo.put_nowait((key, begin + i / rate if rate else 0.0))
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+
+    async def client() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while not todo.empty() and time.monotonic() < deadline:
+                key, due = todo.get_nowait()
+                if due:
+                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                started = due or time.perf_counter()
+                writer.write(request_bytes(port, key))
+                await writer.drain()
+                status = await read_response(reader)
+                latencies.append(time.perf_counter() - started)
+                statuses[status] = statuses.get(status, 0) + 1
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    await asyncio.gather(*(client() for _ in range(connections)))
+    elapsed = time.perf_counter() - begin
+    ms = sorted(x * 1000 for x in latencies)
+    q = statistics.quantiles(ms, n=100, method="inclusive")
+    return {
+        "requests": len(ms),
+        "rate": len(ms) / elapsed,
+        "p50_ms": q[49],
+        "p99_ms": q[98],
+        "statuses": dict(sorted(statuses.items())),
+    }
+
+
+async def wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.returncode is not None:
+            raise SystemExit(f"a server exited with {proc.returncode}")
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        await asyncio.sleep(0.2)
+    raise SystemExit("a server did not start")
+
+
+@contextlib.asynccontextmanager
+async def server(factory: str, db_url: str) -> AsyncIterator[int]:
+    port = free_port()
+    env = {**os.environ, "DEDUPE_DATABASE_URL": db_url, "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "uvicorn", "--factory", f"bench.http_api:{factory}"],
+        *["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+        await wait_ready(port, proc)
+        yield port
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+def line(name: str, result: dict[str, Any]) -> str:
+    return (
+        f"| {name} | {result['requests']} | {result['rate']:,.0f} | {result['p50_ms']:.2f} | "
+        f"{result['p99_ms']:.2f} | {result['statuses']} |"
+    )
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.run import fresh_database
+    from handlers.orders_api import setup
+
+    run = uuid.uuid4().hex[:8]
+    c, n = args.connections, args.requests
+    async with fresh_database() as db_url:
+        await setup(db_url)
+        async with server("without", db_url) as plain, server("with_middleware", db_url) as guarded:
+            limit = time.monotonic() + args.time_limit_s
+            warm = min(300, n)
+            await phase(plain, [None] * warm, connections=c, deadline=limit)
+            warm_keys: list[str | None] = [f"warm-{i}" for i in range(warm)]
+            await phase(guarded, warm_keys, connections=c, deadline=limit)
+            keys: list[str | None] = [f"{run}-{i}" for i in range(n)]
+            base = await phase(plain, [None] * n, connections=c, deadline=time.monotonic() + 120)
+            new = await phase(guarded, keys, connections=c, deadline=time.monotonic() + 120)
+            replay = await phase(guarded, keys, connections=c, deadline=time.monotonic() + 120)
+            half = base["rate"] / 2
+            count = int(half * args.half_load_s)
+            half_keys: list[str | None] = [f"{run}-half-{i}" for i in range(count)]
+            base_half = await phase(
+                plain, [None] * count, connections=c, rate=half, deadline=time.monotonic() + 120
+            )
+            new_half = await phase(
+                guarded, half_keys, connections=c, rate=half, deadline=time.monotonic() + 120
+            )
+    report = {
+        "endpoint": base,
+        "new_keys": new,
+        "replays": replay,
+        "endpoint_half_load": base_half,
+        "new_keys_half_load": new_half,
+        "replays_vs_endpoint": replay["rate"] / base["rate"],
+        "new_keys_vs_endpoint": new["rate"] / base["rate"],
+        "p99_added_at_half_load_ms": new_half["p99_ms"] - base_half["p99_ms"],
+    }
+    print(f"\nPOST /orders, {c} keep-alive connections, {n} requests per phase\n")
+    print("| phase | requests | req/s | p50 ms | p99 ms | statuses |\n|---|---|---|---|---|---|")
+    print(line("endpoint alone", base))
+    print(line("new keys", new))
+    print(line("replays", replay))
+    print(line(f"endpoint alone at {half:,.0f}/s", base_half))
+    print(line(f"new keys at {half:,.0f}/s", new_half))
+    print(
+        f"\nreplays {report['replays_vs_endpoint']:.2f}x the endpoint (target >= 2), new keys "
+        f"{report['new_keys_vs_endpoint']:.2f}x (target >= 0.7), p99 added at half load "
+        f"{report['p99_added_at_half_load_ms']:.2f} ms (target <= 10)"
+    )
+    return report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=3000, help="per phase (default 3000)")
+    parser.add_argument("--connections", type=int, default=16, help="concurrent (default 16)")
+    parser.add_argument("--half-load-s", type=float, default=10, help="each half-load phase")
+    parser.add_argument("--time-limit-s", type=float, default=60, help="the warm-up's bound")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parsed = parser.parse_args()
+    figures = asyncio.run(main(parsed))
+    if parsed.json:
+        parsed.json.write_text(json.dumps(figures, indent=2) + "\n")

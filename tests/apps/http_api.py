@@ -1,0 +1,92 @@
+"""The orders API of handlers/orders_api.py plus endpoints that misbehave on purpose, for the
+tests of dedupe.asgi (in process and as a uvicorn subprocess: `--factory
+tests.apps.http_api:from_environment`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from handlers.orders_api import create_api
+
+
+async def _order(request: Request, sku: str) -> int:
+    idempotency = request.state.idempotency
+    return int(
+        await idempotency.db.fetchval(
+            "INSERT INTO orders (sku, quantity, idempotency_key) VALUES ($1, 1, $2) RETURNING id",
+            sku,
+            idempotency.key,
+        )
+    )
+
+
+def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
+    api = create_api(database_url, **options)
+
+    @api.post("/slow", status_code=201)
+    async def slow(request: Request, s: float = 1.0, sku: str = "slow") -> dict[str, Any]:
+        """Sleeps `s` after its insert, or X-Pause-S seconds when the request carries it
+        (headers are not fingerprinted: the retry without it is the same request)."""
+        order_id = await _order(request, sku)
+        await asyncio.sleep(float(request.headers.get("x-pause-s", s)))
+        return {"order_id": order_id}
+
+    @api.post("/fail")
+    async def fail(request: Request) -> Response:
+        await _order(request, "fail")
+        return JSONResponse({"error": "the provider is down"}, status_code=503)
+
+    @api.post("/boom")
+    async def boom(request: Request) -> None:
+        await _order(request, "boom")
+        raise RuntimeError("the endpoint has a bug")
+
+    @api.post("/big")
+    async def big(request: Request, n: int = 2_000_000, write: bool = True) -> Response:
+        if write:
+            await _order(request, "big")
+        return Response(b"x" * n, media_type="application/octet-stream")
+
+    @api.post("/stream")
+    async def stream(request: Request) -> StreamingResponse:
+        async def chunks() -> Any:
+            for i in range(3):
+                yield f"data: {i}\n\n".encode()
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    @api.post("/flaky", status_code=201)
+    async def flaky(request: Request) -> Any:
+        attempt = request.state.idempotency.attempt
+        order_id = await _order(request, "flaky")
+        if attempt < 2:
+            return JSONResponse({"error": "try again"}, status_code=503)
+        return {"order_id": order_id, "attempt": attempt}
+
+    @api.post("/state")
+    async def state(request: Request) -> dict[str, Any]:
+        idempotency = request.state.idempotency
+        one = await idempotency.db.fetchval("SELECT 1")
+        return {"key": idempotency.key, "attempt": idempotency.attempt, "db": one}
+
+    @api.post("/binary")
+    async def binary(request: Request) -> Response:
+        await _order(request, "binary")
+        body = bytes(range(256)) + b"\x00\xff"
+        return Response(body, status_code=202, media_type="application/x-thing")
+
+    return api
+
+
+def from_environment() -> FastAPI:
+    """The test API for a subprocess: DEDUPE_DATABASE_URL, HTTP_API_LEASE_S, HTTP_API_SCOPE."""
+    scope = os.environ.get("HTTP_API_SCOPE", "header:Authorization")
+    return create_test_api(
+        lease_s=float(os.environ.get("HTTP_API_LEASE_S", "30")),
+        scope=None if scope == "none" else scope,
+    )
