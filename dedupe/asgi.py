@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 from collections.abc import Collection
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .activity import Activity
 from .app import App
@@ -159,9 +158,9 @@ class IdempotencyMiddleware:
             try:
                 pool = await connect_pool(self.database_url, max_size=POOL_MAX_SIZE)
                 stack.push_async_callback(pool.close)
-                claim_pool = await connect_pool(
-                    _claims_url(self.database_url), max_size=CLAIM_POOL_MAX_SIZE
-                )
+                # Claims and heartbeats on connections of their own: they never wait behind an
+                # endpoint's transaction for a connection.
+                claim_pool = await connect_pool(self.database_url, max_size=CLAIM_POOL_MAX_SIZE)
                 stack.push_async_callback(claim_pool.close)
             except BaseException:
                 await stack.aclose()
@@ -372,23 +371,6 @@ class _Tally:
     def __init__(self) -> None:
         self.outcome = "refused"
         self.route: str | None = None
-
-
-def _claims_url(url: str) -> str:
-    """The URL of the claims' pool: its commits do not wait for the WAL to reach the disk.
-
-    A claim PostgreSQL loses in a crash belongs to a request that cannot have completed: its
-    completion commits synchronously, and a flush of the WAL takes every earlier record along.
-    Its endpoint's transaction died with the crash as well, so the client's retry claims the
-    key again and runs once; a duplicate sent 409 meanwhile retries into the same. A lost
-    heartbeat only shortens a lease, which fencing covers. This saves a disk flush per request.
-    An explicit synchronous_commit in the URL wins.
-    """
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    if any(name == "synchronous_commit" for name, _ in query):
-        return url
-    return urlunsplit(parts._replace(query=urlencode([*query, ("synchronous_commit", "off")])))
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:
