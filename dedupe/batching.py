@@ -1,5 +1,5 @@
-"""Natural batching: callers submit one item each; whatever queues up while a flush is in
-flight goes out together in the next one. No timers, so no added latency when idle."""
+"""Natural batching: callers submit items; whatever queues up while a flush is in flight goes out
+together in the next one. No timers, so no added latency when idle."""
 
 from __future__ import annotations
 
@@ -11,6 +11,18 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+class _Group(Generic[T, R]):
+    """One caller's items and the future of their results (one future per caller, not per item)."""
+
+    __slots__ = ("future", "items", "results", "taken")
+
+    def __init__(self, items: Sequence[T], future: asyncio.Future[list[R]]) -> None:
+        self.items = items
+        self.future = future
+        self.results: list[R] = []
+        self.taken = 0  # items already in a flush (a group larger than max_batch is split)
+
+
 class Batcher(Generic[T, R]):
     """Coalesce concurrent submissions into calls of `flush(items) -> results`."""
 
@@ -19,29 +31,22 @@ class Batcher(Generic[T, R]):
     ) -> None:
         self._flush = flush
         self._max_batch = max_batch
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._pending: list[_Group[T, R]] = []
         self._worker: asyncio.Task[None] | None = None
 
-    def submit_nowait(self, item: T) -> asyncio.Future[R]:
-        """Queue an item; its result arrives in the returned future after its flush."""
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._pending.append((item, future))
+    def submit_nowait(self, item: T) -> asyncio.Future[list[R]]:
+        """Queue one item; its result arrives in the returned future (a one-item list)."""
+        future: asyncio.Future[list[R]] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Group((item,), future))
         self._wake()
         return future
 
     async def submit_many(self, items: Sequence[T]) -> list[R]:
         """Submit several items at once; they may share a flush with other callers'."""
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[R]] = [loop.create_future() for _ in items]
-        self._pending.extend(zip(items, futures, strict=True))
+        future: asyncio.Future[list[R]] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Group(items, future))
         self._wake()
-        try:
-            return [await future for future in futures]
-        except BaseException:
-            for future in futures:  # no "exception was never retrieved" for the others
-                if future.done() and not future.cancelled():
-                    future.exception()
-            raise
+        return await future
 
     def _wake(self) -> None:
         if self._worker is None or self._worker.done():
@@ -49,20 +54,32 @@ class Batcher(Generic[T, R]):
 
     async def _drain(self) -> None:
         while self._pending:
-            batch, self._pending = (
-                self._pending[: self._max_batch],
-                self._pending[self._max_batch :],
-            )
-            live = [(item, fut) for item, fut in batch if not fut.done()]
-            if not live:
+            batch: list[tuple[_Group[T, R], int]] = []  # (group, how many of its items)
+            items: list[T] = []
+            while self._pending and len(items) < self._max_batch:
+                group = self._pending[0]
+                if group.future.done():  # cancelled by its caller
+                    self._pending.pop(0)
+                    continue
+                room = self._max_batch - len(items)
+                part = group.items[group.taken : group.taken + room]
+                items.extend(part)
+                batch.append((group, len(part)))
+                group.taken += len(part)
+                if group.taken >= len(group.items):
+                    self._pending.pop(0)
+            if not items:
                 continue
             try:
-                results = await self._flush([item for item, _ in live])
+                results = await self._flush(items)
             except Exception as exc:
-                for _, fut in live:
-                    if not fut.done():
-                        fut.set_exception(exc)
+                for group, _ in batch:
+                    if not group.future.done():
+                        group.future.set_exception(exc)
                 continue
-            for (_, fut), result in zip(live, results, strict=True):
-                if not fut.done():
-                    fut.set_result(result)
+            at = 0
+            for group, count in batch:
+                group.results.extend(results[at : at + count])
+                at += count
+                if len(group.results) >= len(group.items) and not group.future.done():
+                    group.future.set_result(group.results)

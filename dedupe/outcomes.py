@@ -88,7 +88,7 @@ class Pending:
     ticket: Ticket
     fence: Fence
     result: str
-    done: asyncio.Future[bool]
+    done: asyncio.Future[list[bool]]  # [True]: completed; [False]: fenced
 
 
 Outcome = Settlement | Pending
@@ -184,7 +184,7 @@ class Outcomes:
         """The outcome of a run once its completion statement has committed (or failed)."""
         handler = pending.ticket.handler
         try:
-            done = await pending.done
+            [done] = await pending.done
         except StoreError as exc:
             logger.warning("claim store unavailable, requeueing: %s", exc)
             return store_unavailable(str(exc))

@@ -48,6 +48,16 @@ def _unstorable(value: str) -> str | None:
 
 def check_claimable(scope: str, key: str) -> None:
     """Raise InvalidKey when the claims table cannot store or index (scope, key)."""
+    # The usual key: short ASCII without NUL (a few C-level scans, no regex).
+    if (
+        len(key) <= MAX_KEY_LENGTH
+        and len(scope) <= MAX_KEY_LENGTH
+        and key.isascii()
+        and scope.isascii()
+        and "\x00" not in key
+        and "\x00" not in scope
+    ):
+        return
     for what, value in (("scope", scope), ("idempotency key", key)):
         if not isinstance(value, str):
             raise InvalidKey(f"the {what} is not text ({type(value).__name__})")
@@ -130,6 +140,8 @@ def encode_result(value: Any) -> str:
     NaN and infinities become null; a value JSON cannot express is stored as its repr; text the
     database cannot hold (NUL, lone surrogates) is replaced character by character.
     """
+    if value is None:
+        return "null"
     try:
         text = pydantic_core.to_json(value, inf_nan_mode="null").decode()
     except (pydantic_core.PydanticSerializationError, RecursionError, ValueError):
