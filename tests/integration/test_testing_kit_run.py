@@ -78,7 +78,7 @@ async def test_every_run_gets_a_fresh_database_with_the_schema_and_drops_it_at_t
 
 
 async def test_concurrent_copies_later_copies_and_a_lost_ack_run_the_handler_once() -> None:
-    """Two copies at once, a copy after a delay and a lost ack: one run per key, every copy acked."""
+    """Two copies at once, a copy after a delay, a lost ack: one run per key, every copy acked."""
     calls: list[str] = []
     async with TestRun(
         charging_app(calls, delay_s=0.1), database_url=ADMIN_URL, schema=SCHEMA
