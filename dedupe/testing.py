@@ -1,11 +1,14 @@
 """dedupe.testing: prove your own handler is exactly once, in your own test suite.
 
-    from dedupe.testing import Recorder, TestRun
+    from dedupe.testing import Recorder, TestRun, check_exactly_once
 
     async with TestRun(app, database_url="postgresql://...") as run:   # a fresh database
         run.publish("payments", {"payment_id": "p-1"}, headers={"Idempotency-Key": "k-1"})
         await run.idle()
         assert await run.result("k-1") == {"charged": "p-1"}
+
+    await check_exactly_once(app, "payments", body, database_url=..., effects="SELECT ...",
+                             external=recorder)   # every crash point, a duplicate, a zombie
 
 The app runs as the worker runs it (the same App object, its hooks included) with the real
 claim protocol on a real PostgreSQL; only the broker is replaced by one in memory. See
@@ -18,6 +21,7 @@ dedupe_run (dedupe.testing_fixtures); installed, the plugin does nothing until s
 
 from __future__ import annotations
 
+from .testing_check import CASES, Case, CaseResult, NotExactlyOnce, Report, check_exactly_once
 from .testing_databases import ClaimRow, Schema, create_database, drop_database, drop_templates
 from .testing_memory import MemoryBroker, MemoryDelivery, MemoryTransport, Sent, Settled
 from .testing_recorder import Call, Recorder
@@ -29,12 +33,17 @@ from .testing_workers import SimulatedWorker, WorkerDied
 pytest_plugins = ("dedupe.testing_fixtures",)
 
 __all__ = [
+    "CASES",
     "Call",
+    "Case",
+    "CaseResult",
     "ClaimRow",
     "MemoryBroker",
     "MemoryDelivery",
     "MemoryTransport",
+    "NotExactlyOnce",
     "Recorder",
+    "Report",
     "Run",
     "Schema",
     "Sent",
@@ -44,6 +53,7 @@ __all__ = [
     "Stall",
     "TestRun",
     "WorkerDied",
+    "check_exactly_once",
     "create_database",
     "current_run",
     "drop_database",
