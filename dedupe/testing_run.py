@@ -182,14 +182,34 @@ class TestRun:
         deadline = loop.time() + limit
         for _ in range(math.ceil(limit / 0.01) + 1):
             self._raise_failures()
-            if self._quiet():
+            if self.quiet:
                 return
             if loop.time() >= deadline:
                 break
             await asyncio.sleep(0.01)
         self._raise_failures()
-        if not self._quiet():
+        if not self.quiet:
             raise AssertionError(self._not_idle(limit))
+
+    @property
+    def quiet(self) -> bool:
+        """Whether nothing is left to happen: every message acked or dead-lettered, no run
+        under way (a stalled run excepted), no worker being replaced."""
+        return (
+            not self.broker.outstanding
+            and not self._chores
+            and not any(worker.busy for worker in self.workers)
+        )
+
+    async def blocked(self) -> int:
+        """How many sessions on the run's database wait for a lock (a run behind a stalled
+        zombie's uncommitted row, say)."""
+        return int(
+            await self._db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        )
 
     # -- crash points and take-overs -------------------------------------------------------
 
@@ -303,13 +323,6 @@ class TestRun:
     def _raise_failures(self) -> None:
         if self._failures:
             raise RuntimeError("the test run failed to replace a worker") from self._failures[0]
-
-    def _quiet(self) -> bool:
-        return (
-            not self.broker.outstanding
-            and not self._chores
-            and not any(worker.busy for worker in self.workers)
-        )
 
     def _not_idle(self, limit: float) -> str:
         lines = [f"the test run is not idle after {limit:g}s:"]

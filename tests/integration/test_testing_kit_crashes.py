@@ -4,6 +4,8 @@ waiting for the lease; a stalled worker comes back as a zombie and is fenced."""
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 import pytest
 from pydantic import BaseModel
@@ -165,8 +167,6 @@ async def test_a_stalled_worker_stops_heartbeating_so_its_lease_runs_out() -> No
         stall = run.stall_at("claimed")
         run.publish("jobs", {"n": 1}, message_id="j-1")
         await stall.reached()
-        import asyncio
-
         await asyncio.sleep(1.0)  # heartbeats every 0.2 s would keep a live lease
         [claim] = await run.claims()
         assert claim.status == "in_progress" and not claim.lease_live
@@ -179,3 +179,31 @@ async def test_take_over_without_a_stalled_worker_says_what_to_do() -> None:
     async with TestRun(effect_app([]), database_url=ADMIN_URL, schema=SCHEMA) as run:
         with pytest.raises(RuntimeError, match="stall_at"):
             await run.take_over()
+
+
+async def test_the_worker_that_took_over_waits_behind_the_zombies_row_until_it_is_fenced() -> None:
+    """The zombie's open transaction holds the row b inserts too: b waits (blocked() says so)
+    until the zombie wakes, is fenced and rolls back; then b completes."""
+    app = App("crash")
+
+    @app.handler("jobs", lease_s=30)
+    async def work(job: Job, ctx: Context) -> None:
+        await ctx.db.execute("INSERT INTO unique_effects VALUES ($1)", ctx.key)
+
+    schema = "CREATE TABLE unique_effects (key text PRIMARY KEY)"
+    async with TestRun(app, database_url=ADMIN_URL, schema=schema) as run:
+        stall = run.stall_at("handled")
+        run.publish("jobs", {"n": 1}, message_id="j-1")
+        await stall.reached()
+        await run.take_over()
+        for _ in range(500):
+            if await run.blocked():
+                break
+            await asyncio.sleep(0.01)
+        assert await run.blocked() == 1 and not run.quiet
+        stall.resume()
+        await run.idle()
+        assert await run.fetchval("SELECT count(*) FROM unique_effects") == 1
+        assert [w.stats.fenced for w in run.workers] == [1, 0]
+        [claim] = await run.claims()
+        assert (claim.status, claim.owner) == ("completed", "worker-b")
