@@ -136,7 +136,7 @@ class Report:
     def __str__(self) -> str:
         failed = self.failed
         verdict = f"{len(failed)} of {len(self.results)} cases FAILED" if failed else "all ok"
-        head = ("case", "runs", "ctx.db rows", "external calls", "outcome", "verdict")
+        head = ("case", "runs", "effect rows", "external calls", "outcome", "verdict")
         lines = [f"exactly-once check of {self.subject}: {verdict}", ""]
         body = [
             (
@@ -180,6 +180,9 @@ class NotExactlyOnce(AssertionError):
         self.report = report
 
 
+NotExactlyOnce.__module__ = "dedupe.testing"  # how tracebacks name it: where users import it
+
+
 async def check_exactly_once(
     app: App,
     channel: str,
@@ -215,6 +218,7 @@ async def check_exactly_once(
         external: The Recorder the app's fake external clients record their calls in.
         timeout_s: How long each case may take to settle.
     """
+    __tracebackhide__ = True  # pytest shows the caller's line and the table, not our frames
     results: list[CaseResult] = []
     baseline: CaseResult | None = None
     for case in CASES:

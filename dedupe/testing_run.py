@@ -177,6 +177,7 @@ class TestRun:
     async def idle(self, timeout_s: float | None = None) -> None:
         """Wait until every message is acked or dead-lettered and no run is under way (a
         stalled run excepted); raise AssertionError saying what is left after `timeout_s`."""
+        __tracebackhide__ = True
         limit = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
