@@ -82,6 +82,7 @@ class MemoryBroker:
         copies: int = 1,
         delay_s: float = 0.0,
         lose_ack: bool = False,
+        after_s: float = 0.0,
     ) -> Sent:
         """Publish a message (bytes, text, a pydantic model or a JSON value).
 
@@ -89,6 +90,7 @@ class MemoryBroker:
             copies: How many times the producer sends it; the copies go out at the same moment
                 (a concurrent duplicate) unless `delay_s` spaces them.
             delay_s: Each copy after the first comes this much later than the one before.
+            after_s: The first copy goes out this much later (it counts as outstanding now).
             lose_ack: The first ack of the message never reaches the broker, which delivers
                 it again (a connection that dropped between the ack and the broker).
         """
@@ -105,7 +107,7 @@ class MemoryBroker:
             copy = _Copy(sent, lose_ack=lose_ack and number == 0)
             self._outstanding[copy] = message
             self._idle.clear()
-            self._later(number * delay_s, copy, message)
+            self._later(after_s + number * delay_s, copy, message)
         return sent
 
     async def idle(self, timeout_s: float = 30.0) -> None:

@@ -164,14 +164,12 @@ class TestRun:
     def redeliver(self, sent: Sent, *, delay_s: float = 0.0) -> Sent:
         """The same message (id, body, headers) delivered once more, now or after `delay_s`."""
         message = sent.message
-        assert message.message_id is not None
-        return self.publish(
+        return self.broker.publish(
             message.channel,
             message.body,
             message_id=message.message_id,
             headers=dict(message.headers),
-            copies=2 if delay_s > 0 else 1,
-            delay_s=delay_s,
+            after_s=delay_s,
         )
 
     async def idle(self, timeout_s: float | None = None) -> None:

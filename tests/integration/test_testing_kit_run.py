@@ -97,13 +97,18 @@ async def test_concurrent_copies_later_copies_and_a_lost_ack_run_the_handler_onc
 
 
 async def test_a_redelivered_message_is_acked_as_a_duplicate_with_its_stored_result() -> None:
-    """redeliver() sends the same id, body and headers again; the handler does not run."""
+    """redeliver() sends the same id, body and headers again, now or later; no run again."""
     calls: list[str] = []
     async with TestRun(charging_app(calls), database_url=ADMIN_URL, schema=SCHEMA) as run:
         sent = run.publish("payments", charge(), headers={"Idempotency-Key": "k"})
         await run.idle()
         again = run.redeliver(sent)
         await run.idle()
+        later = run.redeliver(sent, delay_s=0.3)
+        await asyncio.sleep(0.1)
+        assert later.deliveries == 0 and not run.quiet  # not delivered yet, but outstanding
+        await run.idle()
+        assert later.deliveries == 1 and later.outcome is not None and later.outcome.duplicate
     assert calls == ["k"]
     assert again.outcome is not None and again.outcome.duplicate
     assert again.outcome.result == {"charged": "p-1"}
