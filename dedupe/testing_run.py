@@ -94,11 +94,11 @@ class TestRun:
         await self._close()
 
     async def _close(self) -> None:
+        if self._chores:  # first: a worker being replaced may start one more
+            await asyncio.wait(set(self._chores), timeout=10)
         for worker in self.workers:
             with contextlib.suppress(Exception):
                 await worker.close()
-        if self._chores:
-            await asyncio.wait(set(self._chores), timeout=10)
         self.broker.close()
         if self._hook is not None:
             with contextlib.suppress(ValueError):

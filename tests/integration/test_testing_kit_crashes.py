@@ -207,3 +207,26 @@ async def test_the_worker_that_took_over_waits_behind_the_zombies_row_until_it_i
         assert [w.stats.fenced for w in run.workers] == [1, 0]
         [claim] = await run.claims()
         assert (claim.status, claim.owner) == ("completed", "worker-b")
+
+
+@pytest.mark.parametrize("stage", ["handled", "completed"])
+async def test_crash_points_hold_for_a_handler_whose_completion_is_batched(stage: Stage) -> None:
+    """No ctx.db: the completion goes in a shared statement and `completed` runs in the batch's
+    concluder; a crash there still leaves the outcome committed and the ack untold."""
+    runs: list[str] = []
+    app = App("crash")
+
+    @app.handler("jobs", lease_s=30)
+    async def work(job: Job) -> int:
+        runs.append("run")
+        return job.n
+
+    async with TestRun(app, database_url=ADMIN_URL) as run:
+        run.crash_at(stage)
+        sent = run.publish("jobs", {"n": 4}, message_id="j-4")
+        await run.idle()
+        [claim] = await run.claims()
+        assert (claim.status, claim.result) == ("completed", 4)
+        assert [(s.consumer, s.fate) for s in sent.log] == [("b", "acked")]
+        assert sent.log[0].duplicate is (stage == "completed")
+        assert len(runs) == (1 if stage == "completed" else 2)
