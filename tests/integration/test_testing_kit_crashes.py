@@ -167,9 +167,15 @@ async def test_a_stalled_worker_stops_heartbeating_so_its_lease_runs_out() -> No
         stall = run.stall_at("claimed")
         run.publish("jobs", {"n": 1}, message_id="j-1")
         await stall.reached()
-        await asyncio.sleep(1.0)  # heartbeats every 0.2 s would keep a live lease
-        [claim] = await run.claims()
-        assert claim.status == "in_progress" and not claim.lease_live
+        # Heartbeats every 0.2 s would keep the lease live for good; held, it lapses.
+        seen = []
+        for _ in range(100):
+            [claim] = await run.claims()
+            seen.append((claim.status, claim.lease_live))
+            if not claim.lease_live:
+                break
+            await asyncio.sleep(0.05)
+        assert seen[-1] == ("in_progress", False), seen
         stall.resume()
         await run.idle()
 
