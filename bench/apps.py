@@ -11,9 +11,9 @@ def make_app(channel: str, handler: str, tally: Any = None) -> App:
     """An app with one handler on `channel`; `tally.settled(body)` hears each completion."""
     app = App("bench")
 
-    if handler == "insert":
+    if handler in ("insert", "insert-group"):
 
-        @app.handler(channel, name="insert")
+        @app.handler(channel, name="insert", group_commit=handler == "insert-group")
         async def insert(body: bytes, ctx: Context) -> None:
             await ctx.db.execute("INSERT INTO bench_rows (id) VALUES ($1)", ctx.key)
 

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=500, help="deliveries per process() call")
     parser.add_argument("--batches", type=int, default=4, help="process() calls side by side")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--handler", choices=["noop", "insert"], default="noop")
+    parser.add_argument("--handler", choices=["noop", "insert", "insert-group"], default="noop")
     parser.add_argument("--kinds", default="new,dup", help="rounds: new keys, duplicates")
     parser.add_argument("--asyncio", dest="uvloop", action="store_false", help="no uvloop")
     parser.add_argument("--profile", help="write a pyinstrument text profile here")

@@ -82,6 +82,7 @@ class Handler:
     retention_s: float
     backoff_s: float
     max_backoff_s: float
+    group_commit: bool = False
 
     def scope_of(self, message: Message) -> str | None:
         return self.scope_func(message)
@@ -126,6 +127,7 @@ class App:
         retention_s: float = 7 * DAY_S,
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        group_commit: bool = False,
     ) -> Callable[[F], F]:
         """Register an async handler for `channel`.
 
@@ -143,6 +145,11 @@ class App:
             retention_s: How long a key is remembered after its outcome.
             backoff_s: First retry delay; doubles up to max_backoff_s, with jitter.
             max_backoff_s: Longest delay between two attempts.
+            group_commit: Share one transaction and one COMMIT among the runs of several
+                messages, each in a savepoint of its own (a failure or a fenced completion
+                rolls back only its own writes). The runs of a group go one at a time on its
+                connection: for handlers whose ctx.db work is short and that await nothing
+                else while it is open.
         """
 
         def register(fn: F) -> F:
@@ -203,6 +210,13 @@ class App:
             except Exception as exc:
                 raise ConfigurationError(f"{where}: cannot resolve annotations: {exc}") from exc
             decode = _decoder_for(hints.get(params[0].name, inspect.Parameter.empty), where)
+            if not isinstance(group_commit, bool):
+                raise ConfigurationError(f"{where}: group_commit must be True or False")
+            if group_commit and len(params) != 2:
+                raise ConfigurationError(
+                    f"{where}: group_commit=True groups ctx.db transactions; the handler must "
+                    "take (payload, ctx: Context)"
+                )
 
             key_func = compile_key(key)
             base_scope = f"{self.name}.{handler_name}"
@@ -223,6 +237,7 @@ class App:
                 retention_s=float(retention_s),
                 backoff_s=float(backoff_s),
                 max_backoff_s=float(max_backoff_s),
+                group_commit=group_commit,
             )
             return fn
 

@@ -22,6 +22,7 @@ from .context import Context, Database
 from .database import TRANSIENT_ERRORS
 from .effects import RunEffects
 from .errors import DedupeError, InvalidPayload, LeaseLost, Reject, Retry, StoreError
+from .groups import Lanes, Member, group_commit_lanes
 from .hooks import Hooks
 from .leases import Lease, Leases
 from .message import Message
@@ -68,10 +69,20 @@ class Runner:
         self.hooks = Hooks(app)
         self.stopping = False
         # Called after a commit that stored publishes (the relay sends them at once).
-        self.on_published: Callable[[], None] | None = None
+        self._on_published: Callable[[], None] | None = None
         self._slots = asyncio.Semaphore(concurrency)
         self._isolation = asyncio.Lock()
         self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
+        self.lanes = Lanes(store, lanes=group_commit_lanes(concurrency))
+
+    @property
+    def on_published(self) -> Callable[[], None] | None:
+        return self._on_published
+
+    @on_published.setter
+    def on_published(self, callback: Callable[[], None] | None) -> None:
+        self._on_published = callback
+        self.lanes.set_on_published(callback)
 
     async def run(self, ticket: Ticket, ours: Ours) -> Outcome:
         """Run the handler on a claim of ours, in the calling (runner's) task."""
@@ -185,6 +196,7 @@ class Runner:
         """
         handler, message, fence = ticket.handler, ticket.message, lease.fence
         db = Database(self.store.pool) if handler.takes_context else None
+        member: Member | None = None
         effects: RunEffects | None = None
         # The first run after a take-over (not counted yet) runs alone.
         isolate = self._isolation if lease.taken_over and not lease.counted else None
@@ -202,6 +214,9 @@ class Runner:
                     if db is None:
                         call = handler.fn(payload)
                     else:
+                        if handler.group_commit:
+                            member = await self.lanes.join()
+                            db = member.db
                         effects = RunEffects(db, fence, cancel=functools.partial(_lose, lease))
                         ctx = Context(
                             key=fence.key,
@@ -230,13 +245,17 @@ class Runner:
             if self.hooks.any("handled"):
                 await self.hooks("handled", message, fence)
             lease.completing = True
+            if member is not None:
+                outgoing = effects.outgoing if effects is not None else []
+                committed = await member.complete(fence, result, handler.retention_s, outgoing)
+                return Pending(ticket, fence, result, committed)
             if db is not None and db.started:
                 outgoing = effects.outgoing if effects is not None else []
                 if not await self._complete_in(db, fence, result, handler.retention_s, outgoing):
                     self.stats.fenced += 1
                     raise LeaseLost()
-                if outgoing and self.on_published is not None:
-                    self.on_published()
+                if outgoing and self._on_published is not None:
+                    self._on_published()
             else:
                 queued = self._completer.submit_nowait((fence, result, handler.retention_s))
                 return Pending(ticket, fence, result, queued)
@@ -249,6 +268,8 @@ class Runner:
         finally:
             # A run that completed stays `completing`: a heartbeat that read the leases before
             # the completion committed must not take the finished run for a lost one.
+            if member is not None:
+                await member.leave()
             if db is not None:
                 await db.close()
 

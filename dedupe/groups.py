@@ -1,0 +1,303 @@
+"""Group commit for handlers that write (`group_commit=True`): the runs of several messages share
+one transaction, one completion statement and one COMMIT, each run inside a savepoint.
+
+A lane is one connection with an open transaction; its members run one at a time. A member's
+handler writes through `ctx.db` inside `SAVEPOINT dedupe_member`; a handler that fails rolls
+back to it (only its own writes go). The lane commits as soon as no member waits for it (or
+`max_group` have run): one fenced completion statement for all its members, then COMMIT. Should
+the fence refuse any member (its key taken over meanwhile), the whole transaction rolls back,
+the fenced members end as lease lost and the others are given back and requeued, to run again
+at once: a fenced run writes nothing. A COMMIT that fails fails the group as the store's failure
+(requeued: whether it committed is unknown, the claims tell).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from . import outbox
+from .context import Database
+from .database import TRANSIENT_ERRORS
+from .errors import StoreError
+from .outbox import Outgoing
+from .store import ClaimStore, Fence
+
+logger = logging.getLogger("dedupe.pipeline")
+
+_BROKEN = (*TRANSIENT_ERRORS, asyncpg.PostgresError)
+SAVEPOINT = "SAVEPOINT dedupe_member"
+
+
+class GroupRolledBack(StoreError):
+    """A member of the group was fenced, so the group's transaction rolled back; this run's
+    key was given back and its message runs again."""
+
+
+class LaneDatabase(Database):
+    """`ctx.db` of a group member: the lane's connection, inside the member's savepoint."""
+
+    def __init__(self, conn: asyncpg.Connection, pool: asyncpg.Pool) -> None:
+        super().__init__(pool)
+        self._conn = conn
+        # A statement PostgreSQL refused aborts the group's transaction up to the savepoint:
+        # a handler that caught the error and went on cannot complete in this group.
+        self.tainted = False
+
+    async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
+        try:
+            return await super().execute(query, *args, timeout=timeout)
+        except asyncpg.PostgresError:
+            self.tainted = True
+            raise
+
+    async def executemany(self, query: str, args: Any, *, timeout: float | None = None) -> None:
+        try:
+            await super().executemany(query, args, timeout=timeout)
+        except asyncpg.PostgresError:
+            self.tainted = True
+            raise
+
+    async def fetch(self, query: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        try:
+            return await super().fetch(query, *args, timeout=timeout)
+        except asyncpg.PostgresError:
+            self.tainted = True
+            raise
+
+    async def fetchrow(self, query: str, *args: Any, timeout: float | None = None) -> Any:
+        try:
+            return await super().fetchrow(query, *args, timeout=timeout)
+        except asyncpg.PostgresError:
+            self.tainted = True
+            raise
+
+    async def fetchval(self, query: str, *args: Any, timeout: float | None = None) -> Any:
+        try:
+            return await super().fetchval(query, *args, timeout=timeout)
+        except asyncpg.PostgresError:
+            self.tainted = True
+            raise
+
+    async def connection(self) -> asyncpg.Connection:
+        if self._closed:
+            raise RuntimeError("ctx.db is closed: the handler's run is over")
+        assert self._conn is not None
+        return self._conn
+
+    async def commit(self) -> None:  # the lane commits the group
+        return None
+
+    async def close(self) -> None:  # the lane keeps its connection
+        self._closed = True
+
+
+@dataclass(eq=False, slots=True)
+class _Done:
+    """A member that ran to its end: completed when the group commits."""
+
+    fence: Fence
+    result: str
+    retention_s: float
+    published: bool
+    future: asyncio.Future[list[bool]]
+
+
+class Lane:
+    """One connection, one open transaction, members one at a time."""
+
+    def __init__(self, store: ClaimStore, *, max_group: int) -> None:
+        self.store = store
+        self.max_group = max_group
+        self.waiting = 0
+        self.on_published: Callable[[], None] | None = None
+        self._lock = asyncio.Lock()
+        self._conn: asyncpg.Connection | None = None
+        self._group: list[_Done] = []
+        self._savepoint_kept = False  # the last member's savepoint is still to be released
+
+    @property
+    def busy(self) -> int:
+        return self.waiting + self._lock.locked()
+
+    async def join(self) -> Member:
+        self.waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            if self._conn is None:
+                conn = await self.store.pool.acquire()
+                try:
+                    await conn.execute(f"BEGIN; {SAVEPOINT}")
+                except BaseException:
+                    await self._discard(conn)
+                    raise
+                self._conn = conn
+            elif self._savepoint_kept:
+                await self._conn.execute(f"RELEASE SAVEPOINT dedupe_member; {SAVEPOINT}")
+            # After a roll back to it, the savepoint is still there for the next member.
+            self._savepoint_kept = False
+        except BaseException as exc:
+            await self._fail(exc)
+            self._lock.release()
+            if isinstance(exc, _BROKEN):
+                raise StoreError(f"a group commit's connection failed: {exc}") from exc
+            raise
+        return Member(self, self._conn)
+
+    async def finished(self, done: _Done | None) -> None:
+        """A member is done (`done`: it ran to its end; None: it failed or was cancelled and
+        rolls back to its savepoint); commit when no member waits; let the next one in."""
+        try:
+            if self._conn is None:
+                return
+            if done is None:
+                try:
+                    await self._conn.execute("ROLLBACK TO SAVEPOINT dedupe_member")
+                except _BROKEN as exc:
+                    await self._fail(exc)
+                    return
+            else:
+                self._group.append(done)
+                self._savepoint_kept = True
+            if self.waiting == 0 or len(self._group) >= self.max_group:
+                await self._commit()
+        finally:
+            self._lock.release()
+
+    async def _commit(self) -> None:
+        conn, self._conn = self._conn, None
+        group, self._group = self._group, []
+        self._savepoint_kept = False
+        assert conn is not None
+        try:
+            completed = await self.store.complete(
+                [(d.fence, d.result, d.retention_s) for d in group], conn=conn
+            )
+            fenced = [d for d in group if (d.fence.scope, d.fence.key) not in completed]
+            if fenced:
+                await conn.execute("ROLLBACK")
+            else:
+                await conn.execute("COMMIT")
+        except BaseException as exc:
+            error = StoreError(f"the group's COMMIT failed: {exc.__class__.__name__}: {exc}")
+            for done in group:
+                if not done.future.done():
+                    done.future.set_exception(error)
+            await self._discard(conn)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        with contextlib.suppress(Exception):
+            await self.store.pool.release(conn)
+        if fenced:
+            await self._rolled_back(group, fenced)
+            return
+        for done in group:
+            if not done.future.done():
+                done.future.set_result([True])
+        if any(d.published for d in group) and self.on_published is not None:
+            self.on_published()
+
+    async def _rolled_back(self, group: Sequence[_Done], fenced: Sequence[_Done]) -> None:
+        """Some members were fenced: they end as lease lost; the others' keys are given back
+        at once (still ours, not yet counted as done) and their messages requeued."""
+        logger.warning(
+            "group commit rolled back: %d of %d members were taken over by another worker; "
+            "the other %d run again",
+            len(fenced),
+            len(group),
+            len(group) - len(fenced),
+        )
+        for done in group:
+            if done in fenced:
+                done.future.set_result([False])
+                continue
+            with contextlib.suppress(StoreError):
+                await self.store.give_back(done.fence, attempt=None, handed_back=True)
+            done.future.set_exception(GroupRolledBack())
+
+    async def _fail(self, exc: BaseException) -> None:
+        """The lane's connection broke: its open group fails as the store's failure."""
+        conn, self._conn = self._conn, None
+        group, self._group = self._group, []
+        self._savepoint_kept = False
+        error = StoreError(f"a group commit's connection failed: {exc.__class__.__name__}: {exc}")
+        for done in group:
+            if not done.future.done():
+                done.future.set_exception(error)
+        if conn is not None:
+            await self._discard(conn)
+
+    async def _discard(self, conn: asyncpg.Connection) -> None:
+        with contextlib.suppress(Exception):
+            conn.terminate()
+        with contextlib.suppress(Exception):
+            await self.store.pool.release(conn)
+
+
+class Member:
+    """One run in a lane's transaction."""
+
+    def __init__(self, lane: Lane, conn: asyncpg.Connection) -> None:
+        self.lane = lane
+        self.db = LaneDatabase(conn, lane.store.pool)
+        self._done: _Done | None = None
+        self._left = False
+
+    async def complete(
+        self, fence: Fence, result: str, retention_s: float, outgoing: Sequence[Outgoing]
+    ) -> asyncio.Future[list[bool]]:
+        """Store the publishes in the savepoint; the completion goes with the group's. The
+        future resolves once the group committed ([True]) or was refused by the fence
+        ([False]: this run was taken over); GroupRolledBack when another member was."""
+        if self.db.tainted:
+            raise StoreError(
+                "a ctx.db statement failed and the handler went on: its transaction is aborted "
+                "(use a savepoint of your own around statements that may fail)"
+            )
+        if outgoing:
+            try:
+                await outbox.add(await self.db.connection(), outgoing, retention_s=retention_s)
+            except _BROKEN as exc:
+                raise StoreError(f"storing the run's publishes failed: {exc}") from exc
+        future: asyncio.Future[list[bool]] = asyncio.get_running_loop().create_future()
+        self._done = _Done(fence, result, retention_s, bool(outgoing), future)
+        return future
+
+    async def leave(self) -> None:
+        """Keep the member's writes for the group if it completed, else roll them back."""
+        if self._left:
+            return
+        self._left = True
+        await asyncio.shield(self.lane.finished(self._done))
+
+
+class Lanes:
+    """A few lanes side by side; a member joins the least busy."""
+
+    def __init__(self, store: ClaimStore, *, lanes: int = 4, max_group: int = 64) -> None:
+        self._lanes = [Lane(store, max_group=max_group) for _ in range(max(1, lanes))]
+
+    def set_on_published(self, callback: Callable[[], None] | None) -> None:
+        for lane in self._lanes:
+            lane.on_published = callback
+
+    async def join(self) -> Member:
+        return await min(self._lanes, key=lambda lane: lane.busy).join()
+
+
+def group_commit_lanes(concurrency: int) -> int:
+    """Lanes for a worker: a few, never more than its concurrency."""
+    return max(1, min(4, concurrency))
+
+
+__all__ = ["GroupRolledBack", "Lane", "LaneDatabase", "Lanes", "Member", "group_commit_lanes"]
