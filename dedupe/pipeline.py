@@ -47,19 +47,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False, slots=True)
 class _Planned:
-    """A message's outcome under one handler: decided already (a duplicate, a deferral, no
-    key), or to await (a run, or a second copy of a key waiting for the first)."""
+    """A message's outcome under one handler, to await: a run, a verdict, or a settled one."""
 
-    outcome: Awaitable[Outcome] | None
-    ticket: Ticket | None = None  # None: decided before any claim (no key)
+    outcome: Awaitable[Outcome]
+    ticket: Ticket | None = None  # None: settled before any claim (no key)
     lease: Lease | None = None  # our claim, held until a runner takes it
-    decided: Settlement | None = None
-
-    async def result(self) -> Outcome:
-        if self.decided is not None:
-            return self.decided
-        assert self.outcome is not None
-        return await self.outcome
 
 
 _Work = collections.deque[tuple[Delivery, list[_Planned]]]
@@ -190,7 +182,7 @@ class Processor:
             # A bug, not a message problem: give the batch back rather than leave it unsettled.
             logger.exception("unexpected error while claiming a batch; requeueing it")
             for planned in (planned for plan in plans for planned in plan):
-                if planned.outcome is not None and asyncio.iscoroutine(planned.outcome):
+                if asyncio.iscoroutine(planned.outcome):
                     planned.outcome.close()
                     if planned.lease is not None:
                         await self.leases.release(planned.lease)
@@ -240,7 +232,7 @@ class Processor:
         for i, message in enumerate(messages):
             request = request_for(message, key_func=handler.key_func, scope_of=handler.scope_of)
             if isinstance(request, Unclaimable):
-                planned[i] = _Planned(None, decided=dead_letter(request.reason, request.detail))
+                planned[i] = _Planned(_ready(dead_letter(request.reason, request.detail)))
                 continue
             ticket = Ticket(handler, message, request, started)
             ident = (request.scope, request.key)
@@ -258,23 +250,24 @@ class Processor:
                 "claim failed, requeueing %d messages: %s", len(messages), verdicts[0].error
             )
             requeue = store_unavailable(verdicts[0].error)
-            return [p or _Planned(None, decided=requeue) for p in planned]
+            return [p or _Planned(_ready(requeue)) for p in planned]
         self.observer.claimed(handler.name, time.perf_counter() - began, len(tickets))
         awaited = {first for _, first, _ in repeats}
         for (i, ticket), verdict in zip(tickets, verdicts, strict=True):
-            if not isinstance(verdict, Ours):  # a duplicate, in flight, a conflict ...: no run
-                planned[i] = _Planned(None, ticket, decided=self.outcomes.of(ticket, verdict))
-                continue
             # Held from now on: heartbeated while it waits for a runner, given back at a stop.
-            lease = self.leases.hold(verdict, lease_s=handler.lease_s)
-            outcome: Awaitable[Outcome] = self.runner.run(ticket, verdict)
+            lease = (
+                self.leases.hold(verdict, lease_s=handler.lease_s)
+                if isinstance(verdict, Ours)
+                else None
+            )
+            outcome: Awaitable[Outcome] = self._decide(ticket, verdict)
             if i in awaited:
                 outcome = self._spawn(outcome)
             planned[i] = _Planned(outcome, ticket, lease)
         for i, first, ticket in repeats:
             first_planned = planned[first]
             assert first_planned is not None
-            planned[i] = _Planned(self._after(first_planned, ticket), ticket)
+            planned[i] = _Planned(self._after(first_planned.outcome, ticket), ticket)
         return [p for p in planned if p is not None]
 
     async def _decide(self, ticket: Ticket, verdict: Verdict) -> Outcome:
@@ -283,13 +276,9 @@ class Processor:
             return await self.runner.run(ticket, verdict)
         return self.outcomes.of(ticket, verdict)
 
-    async def _after(self, first: _Planned, ticket: Ticket) -> Outcome:
+    async def _after(self, first: Awaitable[Outcome], ticket: Ticket) -> Outcome:
         """A second delivery of a key in the same batch: wait for the first, then claim."""
-        if first.decided is not None:
-            outcome: Outcome = first.decided
-        else:
-            assert first.outcome is not None
-            outcome = await asyncio.shield(asyncio.ensure_future(first.outcome))
+        outcome = await asyncio.shield(asyncio.ensure_future(first))
         if isinstance(outcome, Pending):  # wait for its completion to commit
             with contextlib.suppress(Exception):
                 await asyncio.shield(outcome.done)
@@ -323,19 +312,14 @@ class Processor:
         """
         try:
             if len(planned) == 1:
-                only = planned[0]
-                if only.decided is not None:  # no run: no coroutine either
-                    settlement: Outcome = only.decided
-                else:
-                    assert only.outcome is not None
-                    settlement = await only.outcome
+                settlement = await planned[0].outcome
                 if isinstance(settlement, Pending):
                     completions.add(delivery, settlement)
                     return
                 self.outcomes.observe(planned[0].ticket, settlement)
                 settlements = [settlement]
             else:
-                running = [asyncio.ensure_future(p.result()) for p in planned]
+                running = [asyncio.ensure_future(p.outcome) for p in planned]
                 settlements = []
                 for future, p in zip(running, planned, strict=True):
                     result = await future
@@ -390,6 +374,12 @@ class Processor:
             if deleted:
                 self.stats.gc_deleted += deleted
                 logger.info("clean-up removed %d expired claims", deleted)
+
+
+def _ready(settlement: Settlement) -> asyncio.Future[Outcome]:
+    future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+    future.set_result(settlement)
+    return future
 
 
 __all__ = ["ACK", "Processor", "Stats"]
