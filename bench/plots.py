@@ -45,7 +45,7 @@ def _subtitle(report: dict[str, Any]) -> str:
     load = machine.get("load_before") or [0.0]
     dirty = "+changes" if machine.get("dirty") else ""
     return (
-        f"commit {machine.get('commit', '?')}{dirty}, N={report.get('n', '?'):,}, "
+        f"commit {machine.get('commit', 'not recorded')}{dirty}, N={report.get('n', '?'):,}, "
         f"load {load[0]:.1f} at start, {machine.get('cpus', '?')} CPUs shared with the brokers "
         "and PostgreSQL"
     )
@@ -55,6 +55,11 @@ def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _offered(run: dict[str, Any], target: int) -> float:
+    """The rate the load generator reached in `run` (earlier runs did not record it)."""
+    return float(run.get("offered_rate") or target)
 
 
 def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
@@ -67,20 +72,19 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), layout="constrained")
     for ax, (broker, name) in zip(axes, figures.BROKERS.items(), strict=True):
         points = runs[broker]
-        for consumer, label in (
-            ("raw", "raw client"),
-            ("dedupe", "dedupe-worker"),
-        ):
+        for consumer, label in (("raw", "raw client"), ("dedupe", "dedupe-worker")):
             for pct, style, marker in (("p99_ms", "-", "o"), ("p50_ms", "--", "s")):
-                xs = [r for r in sorted(points) if (points[r].get(consumer) or {}).get(pct)]
-                ys = [points[r][consumer][pct] for r in xs]
+                rates = [r for r in sorted(points) if (points[r].get(consumer) or {}).get(pct)]
+                # At the rate the load generator reached: short of the target, the point says so.
+                xs = [_offered(points[r][consumer], r) for r in rates]
+                ys = [points[r][consumer][pct] for r in rates]
                 ax.plot(
                     xs, ys, style, marker=marker, color=COLORS[consumer], label=f"{label} {pct[:3]}"
                 )
                 behind = [
                     (x, y)
-                    for x, y in zip(xs, ys, strict=True)
-                    if not figures.settled_all(points[x][consumer])
+                    for r, x, y in zip(rates, xs, ys, strict=True)
+                    if not figures.settled_all(points[r][consumer])
                 ]
                 if behind:
                     ax.scatter(
@@ -91,8 +95,14 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
                         zorder=3,
                     )
         raw = [r for r in sorted(points) if (points[r].get("raw") or {}).get("p99_ms")]
-        limit = [points[r]["raw"]["p99_ms"] + figures.ADDED_P99_MS for r in raw]
-        ax.plot(raw, limit, ":", color=COLORS["target"], lw=2, label="target: raw p99 + 10 ms")
+        ax.plot(
+            [_offered(points[r]["raw"], r) for r in raw],
+            [points[r]["raw"]["p99_ms"] + figures.ADDED_P99_MS for r in raw],
+            ":",
+            color=COLORS["target"],
+            lw=2,
+            label="target: raw p99 + 10 ms",
+        )
         for label, offered in (("half max", halves.get(broker)), ("target 1,000/s", fixed)):
             if offered:
                 ax.axvline(offered, color="0.75", lw=1, zorder=0)
@@ -121,8 +131,8 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=5, fontsize=8)
     fig.suptitle(
-        "Latency against offered rate, no-op handler (circled: not all settled)\n"
-        + _subtitle(report),
+        "Latency against offered rate, no-op handler; each point at the rate the load generator"
+        " reached (circled: not all settled)\n" + _subtitle(report),
         fontsize=10,
     )
     return _save(fig, path)
@@ -257,8 +267,6 @@ def _bars(ax: Axes, broker: str, report: dict[str, Any]) -> bool:
     ax.set_xlabel("messages per second (log scale; backlog, one worker process)")
     ax.set_title(figures.BROKERS[broker])
     ax.grid(True, axis="x", which="major", alpha=0.25)
-    if marked:
-        ax.legend(fontsize=8, loc="lower right")
     return True
 
 
@@ -269,6 +277,10 @@ def plot_throughput(report: dict[str, Any], path: Path) -> Path | None:
     if not any(drawn):
         plt.close(fig)
         return None
+    # Below the panels: inside one, the legend would cover the value labels of the last bars.
+    marks = [h for ax in axes for h in ax.get_legend_handles_labels()[0]][:1]
+    if marks:
+        fig.legend(marks, ["target (dedupe-worker)"], loc="outside lower center", fontsize=8)
     fig.suptitle(
         f"Throughput per scenario (ratio to the scenario's baseline)\n{_subtitle(report)}",
         fontsize=10,
@@ -295,7 +307,8 @@ def plot_memory(report: dict[str, Any], path: Path) -> Path | None:
     ax.set_xlabel("messages settled")
     ax.set_ylabel("resident memory (MB)")
     ax.set_title(
-        f"One Kafka worker over {report['memory']['n']:,} messages\n{_subtitle(report)}",
+        f"One Kafka worker over {report['memory']['n']:,} messages\n"
+        + _subtitle(report.get("memory_run", report)),
         fontsize=10,
     )
     ax.grid(True, alpha=0.25)
