@@ -52,12 +52,19 @@ chaos: install services  ## the large chaos run: N=100,000 messages, 50 faults p
 	@echo; echo "table rows (.services/chaos-report.md):"; cat .services/chaos-report.md
 
 BENCH_N ?= 20000
-.PHONY: bench bench-memory bench-core
+BENCH_RESULTS ?= bench/results
+.PHONY: bench bench-memory bench-core bench-report
 
-bench: install services  ## benchmarks side by side, as ratios (BENCH_N=20000; about 10 min)
+bench: install services  ## every target beside its baseline, tables and PNG plots (BENCH_N=20000; ~12 min)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
-	BENCH_N=$(BENCH_N) $(BIN)/python -m bench.run
+	BENCH_N=$(BENCH_N) BENCH_RESULTS=$(BENCH_RESULTS) $(BIN)/python -m bench.run
 	$(BIN)/python -m bench.http_api --requests $${BENCH_HTTP_N:-3000}
+
+# The last run's tables and Targets with the memory run merged in, and its plots again; no run.
+bench-report: install  ## tables, Targets and plots of bench/results/latest.json + memory.json again (no run)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.report $(BENCH_RESULTS)/latest.json $(wildcard $(BENCH_RESULTS)/memory.json)
+	$(BIN)/python -m bench.plots $(BENCH_RESULTS)/latest.json $(wildcard $(BENCH_RESULTS)/memory.json)
 
 bench-core: install services  ## CPU per message in the pipeline alone (no broker; PostgreSQL)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
@@ -65,7 +72,7 @@ bench-core: install services  ## CPU per message in the pipeline alone (no broke
 
 bench-memory: install services  ## resident memory of one worker over 1,000,000 messages
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
-	$(BIN)/python -m bench.run --memory --n $${BENCH_MEMORY_N:-1000000}
+	BENCH_RESULTS=$(BENCH_RESULTS) $(BIN)/python -m bench.run --memory --n $${BENCH_MEMORY_N:-1000000}
 
 lint: install  ## ruff format check, ruff lint, mypy --strict
 	$(BIN)/ruff format --check .

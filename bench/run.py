@@ -1,13 +1,16 @@
 """Benchmarks of dedupe-worker against the raw clients and the hand-written alternative.
 
     .venv/bin/python -m bench.run [--n 20000] [--only rabbit,kafka,dup,latency,gc,workers]
+                                  [--results DIR]
     .venv/bin/python -m bench.run --memory [--n 1000000]
 
 Every scenario runs in one go, side by side, and is reported as a ratio to its baseline
 (absolute figures on a shared two-core machine are noise). Each consumer is its own process
 (bench/worker.py) reading a backlog published beforehand; a fresh database per scenario, its
 own queues and topics, all removed at the end. Only 127.0.0.1 services; every loop is bounded.
-Writes bench/results/latest.json and prints a Markdown report (copied into BENCHMARKS.md).
+Writes bench/results/latest.json (memory.json for --memory) and the PNG plots of bench/plots.py
+beside it, and prints the Markdown report of bench/report.py (copied into BENCHMARKS.md).
+--results (BENCH_RESULTS) puts them elsewhere: a trial run must not replace the figures of record.
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ ADMIN_URL = os.environ.get(
 AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 KAFKA_URL = os.environ.get("BENCH_KAFKA_URL", "kafka://127.0.0.1:9092")
 RUN = uuid.uuid4().hex[:8]
-RESULTS = ROOT / "bench" / "results"
 
 
 def db_url(name: str) -> str:
@@ -165,6 +167,12 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.terminate()
 
+    async def exited(self, timeout_s: float) -> bool:
+        """Whether the process ends by itself (its --n reached) within timeout_s."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(self.proc.wait, timeout_s)
+        return self.proc.poll() is not None
+
 
 def rate(result: dict[str, Any]) -> float:
     span = (result["last"] or 0) - (result["first"] or 0)
@@ -213,7 +221,7 @@ async def backlog_run(
                 await rabbit_delete([channel])
     result["rate"] = round(rate(result), 1)
     result["n"] = len(ids)
-    print(f"  {kind:18} {handler:7} {result['rate']:>10.0f} msg/s", flush=True)
+    print(f"  {kind:18} {handler:12} {result['rate']:>10.0f} msg/s", flush=True)
     return result
 
 
@@ -243,12 +251,19 @@ async def throughput(broker: str, n: int, report: dict[str, Any], uvloop: bool) 
                 loop = Worker("sql-loop", "none", db, n=n, prefetch=batch, sql_loops=loops)
                 res = await loop.result()
             res["rate"] = round(rate(res), 1)
-            print(f"  sql-loop {batch}x{loops:<8} {'-':7} {res['rate']:>10.0f} msg/s", flush=True)
+            print(f"  sql-loop {batch}x{loops:<8} {'-':12} {res['rate']:>10.0f} msg/s", flush=True)
             out[f"sql-loop-{batch}x{loops}"] = res
         out["sql-loop"] = max(
             (v for k, v in out.items() if k.startswith("sql-loop-")), key=lambda v: v["rate"]
         )
     report[f"throughput_{broker}"] = out
+
+
+async def group_commit(broker: str, n: int, report: dict[str, Any], uvloop: bool) -> None:
+    """The insert handler again with group_commit=True, beside throughput()'s insert figures."""
+    kind = f"{broker}-dedupe"
+    out = report.setdefault(f"throughput_{broker}", {})
+    out[f"{kind}/insert-group"] = await backlog_run(kind, n, "insert-group", uvloop=uvloop)
 
 
 async def duplicates(n: int, report: dict[str, Any], uvloop: bool) -> None:
@@ -263,24 +278,45 @@ async def duplicates(n: int, report: dict[str, Any], uvloop: bool) -> None:
     report["duplicates"] = out
 
 
-async def latency(n: int, report: dict[str, Any], uvloop: bool, rates: dict[str, float]) -> None:
-    """p50/p99 publish-to-settled at half of dedupe-worker's measured maximum; raw alongside."""
-    out: dict[str, Any] = {}
-    duration_s = float(os.environ.get("BENCH_LATENCY_S", "10"))
-    for broker, kinds in (
-        ("rabbit", ["rabbit-raw", "rabbit-dedupe"]),
-        ("kafka", ["kafka-raw", "kafka-dedupe"]),
-    ):
-        target = max(100.0, rates.get(broker, 2000.0) / 2)
-        for kind in kinds:
-            out[f"{kind}"] = await paced_run(kind, target, duration_s, uvloop)
-            out[f"{kind}"]["target_rate"] = round(target)
-    report["latency"] = out
+# The offered rates of the latency sweep (BENCH_LATENCY_RATES), to which every run adds the fixed
+# rate of the target and half of dedupe-worker's maximum on that broker.
+SWEEP_RATES = "250,500,1000,2000"
+FIXED_RATE = 1000
+SETTLE_S = 30.0  # after the last publish, how long a behind worker may take to settle the rest
+
+
+async def latency(report: dict[str, Any], uvloop: bool, maxima: dict[str, float]) -> None:
+    """p50/p99 publish-to-settled over a sweep of offered rates, raw and dedupe-worker side by side.
+
+    The two target rates (1,000 msg/s and half of the worker's measured maximum) get the longer
+    window (BENCH_LATENCY_S), the other sweep points BENCH_SWEEP_S; at each rate the raw client
+    runs right before dedupe-worker, so both see the same machine.
+    """
+    target_s = float(os.environ.get("BENCH_LATENCY_S", "10"))
+    sweep_s = float(os.environ.get("BENCH_SWEEP_S", "5"))
+    sweep = [round(float(r)) for r in os.environ.get("BENCH_LATENCY_RATES", SWEEP_RATES).split(",")]
+    half_max = {broker: round(max(100.0, rate / 2)) for broker, rate in maxima.items()}
+    runs: dict[str, Any] = {}
+    for broker in ("rabbit", "kafka"):
+        targets = {FIXED_RATE, half_max[broker]}
+        # A sweep point within 10 % of a target rate would measure the same thing again.
+        near = {r for r in sweep if any(abs(r - t) <= 0.1 * t for t in targets)}
+        for rate in sorted(({*sweep} - near) | targets):
+            window = target_s if rate in targets else sweep_s
+            for kind in (f"{broker}-raw", f"{broker}-dedupe"):
+                runs[f"{kind}@{rate}"] = await paced_run(kind, rate, window, uvloop)
+    report["latency"] = {
+        "fixed_rate": FIXED_RATE,
+        "maxima": {broker: round(rate) for broker, rate in maxima.items()},
+        "half_max": half_max,
+        "runs": runs,
+    }
 
 
 async def paced_run(kind: str, target: float, duration_s: float, uvloop: bool) -> dict[str, Any]:
+    """One worker fed `target` messages per second for `duration_s`; it stops once all settled."""
     channel = f"bench-{RUN}-lat-{kind}-{uuid.uuid4().hex[:4]}"
-    total = int(target * duration_s)
+    total = max(1, int(target * duration_s))
     async with fresh_database() as db:
         try:
             if kind.startswith("kafka"):
@@ -295,16 +331,20 @@ async def paced_run(kind: str, target: float, duration_s: float, uvloop: bool) -
                 channel,
                 db,
                 latency=True,
+                n=total,
                 handler="noop",
                 broker=broker_of(kind),
                 group=f"g-{channel}",
                 uvloop=uvloop,
+                time_limit_s=round(duration_s + SETTLE_S + 120),
             )
             await worker.ready()
             await asyncio.sleep(3 if kind.startswith("kafka") else 0.5)  # group join
+            began = time.monotonic()
             sent = await pace(kind, channel, target, total)
-            await asyncio.sleep(2)
-            worker.stop()
+            paced_s = time.monotonic() - began
+            if not await worker.exited(SETTLE_S):
+                worker.stop()  # a worker that fell behind: its unsettled messages are counted
             result = await worker.result()
         finally:
             if kind.startswith("kafka"):
@@ -313,8 +353,13 @@ async def paced_run(kind: str, target: float, duration_s: float, uvloop: bool) -
                 await rabbit_delete([channel])
     result.pop("rss_mb", None)
     result["sent"] = sent
+    result["target_rate"] = round(target)
+    # The load generator shares the cores too: what it achieved is the rate actually offered.
+    result["offered_rate"] = round(sent / paced_s, 1) if paced_s > 0 else None
+    result["window_s"] = duration_s
     print(
-        f"  {kind:18} p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms at {target:.0f}/s",
+        f"  {kind:18} p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms at {target:.0f}/s"
+        f" ({result['count']} of {sent} settled)",
         flush=True,
     )
     return result
@@ -334,18 +379,26 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
             bootstrap_servers=KAFKA_URL.removeprefix("kafka://"), acks=1, linger_ms=0
         )
         await producer.start()
+        acks: list[asyncio.Future[Any]] = []
         try:
             while sent < total:
                 for _ in range(per_tick):
                     mid = f"{channel}-{sent}".encode()
-                    await producer.send(
+                    ack = await producer.send(
                         channel, b"t%.6f" % time.time(), key=mid, headers=[("message-id", mid)]
                     )
+                    acks.append(ack)
                     sent += 1
                 await asyncio.sleep(max(0.0, start + sent / target - loop.time()))
+            outcomes = await asyncio.gather(*acks, return_exceptions=True)
         finally:
             await producer.stop()
-        return sent
+        # A record the broker did not take was never offered: counting it would make the
+        # worker look as if it lost it.
+        failed = sum(1 for outcome in outcomes if isinstance(outcome, BaseException))
+        if failed:
+            print(f"  ({failed} of {sent} records not taken by Kafka)", flush=True)
+        return sent - failed
     import aio_pika
 
     connection = await aio_pika.connect(AMQP_URL)
@@ -501,11 +554,27 @@ def machine() -> dict[str, Any]:
         "mem_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "postgres": cmd("psql", ADMIN_URL, "-Atc", "SHOW server_version"),
         "load_before": os.getloadavg(),
+        "commit": cmd("git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"),
+        # Changes to tracked files other than the results themselves make the figures unofficial.
+        "dirty": bool(
+            cmd(
+                "git",
+                "-C",
+                str(ROOT),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!bench/results",
+            )
+        ),
     }
 
 
 async def main(args: argparse.Namespace) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results)
+    await asyncio.to_thread(results.mkdir, parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "machine": machine(),
         "n": args.n,
@@ -516,21 +585,23 @@ async def main(args: argparse.Namespace) -> None:
     if args.memory:
         print(f"memory: {args.n} messages", flush=True)
         await memory(args.n, report, args.uvloop)
-        path = RESULTS / "memory.json"
+        path = results / "memory.json"
     else:
         only = set(args.only.split(","))
         if "rabbit" in only:
             print("RabbitMQ throughput", flush=True)
             await throughput("rabbit", args.n, report, args.uvloop)
+            await group_commit("rabbit", args.n, report, args.uvloop)
         if "kafka" in only:
             print("Kafka throughput", flush=True)
             await throughput("kafka", args.n, report, args.uvloop)
+            await group_commit("kafka", args.n, report, args.uvloop)
         if "dup" in only:
             print("duplicates", flush=True)
             await duplicates(args.n, report, args.uvloop)
         if "latency" in only:
-            print("latency at half load", flush=True)
-            rates = {
+            print("latency over offered rates", flush=True)
+            maxima = {
                 "rabbit": report.get("throughput_rabbit", {})
                 .get("rabbit-dedupe/noop", {})
                 .get("rate", float(os.environ.get("BENCH_MAX_RABBIT", "4000"))),
@@ -538,21 +609,33 @@ async def main(args: argparse.Namespace) -> None:
                 .get("kafka-dedupe/noop", {})
                 .get("rate", float(os.environ.get("BENCH_MAX_KAFKA", "8000"))),
             }
-            await latency(args.n, report, args.uvloop, rates)
+            await latency(report, args.uvloop, maxima)
         if "gc" in only:
             print("clean-up while running", flush=True)
             await gc_while_running(args.n, args.expired, report, args.uvloop)
         if "workers" in only:
             print("worker processes", flush=True)
             await workers(args.n, report, args.uvloop)
-        path = RESULTS / "latest.json"
+        path = results / "latest.json"
     report["machine"]["load_after"] = os.getloadavg()
     report["wall_s"] = round(time.monotonic() - started, 1)
     path.write_text(json.dumps(report, indent=1))
     from bench.report import render
 
     print(render(report))
-    print(f"\n(results in {path.relative_to(ROOT)}; {report['wall_s']} s)")
+    print(f"\n(results in {path}; {report['wall_s']} s)")
+    write_plots(report, results)
+
+
+def write_plots(report: dict[str, Any], results: Path) -> None:
+    """The PNG plots of bench/plots.py beside the JSON (the `bench` extra has matplotlib)."""
+    try:
+        from bench.plots import plot_report
+    except ImportError as exc:
+        print(f"(no plots: {exc}; pip install -e '.[bench]')", flush=True)
+        return
+    for png in plot_report(report, results):
+        print(f"(plot {png})", flush=True)
 
 
 if __name__ == "__main__":
@@ -565,6 +648,11 @@ if __name__ == "__main__":
         "--expired", type=int, default=int(os.environ.get("BENCH_EXPIRED", "100000"))
     )
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument(
+        "--results",
+        default=os.environ.get("BENCH_RESULTS", str(ROOT / "bench" / "results")),
+        help="folder for the JSON and the plots (BENCH_RESULTS)",
+    )
     parser.add_argument(
         "--uvloop",
         action=argparse.BooleanOptionalAction,

@@ -1,6 +1,6 @@
 """One benchmark consumer, run as its own process by bench/run.py (never by the test suite).
 
-    python -m bench.worker KIND --channel C --n N --db URL [--handler noop|insert] ...
+    python -m bench.worker KIND --channel C --n N --db URL [--handler noop|insert|insert-group] ...
 
 KIND is one of:
   rabbit-raw        aio-pika consume + ack, nothing else
@@ -360,7 +360,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--db", required=True)
     parser.add_argument("--broker", default="amqp://guest:guest@127.0.0.1:5672/")
     parser.add_argument("--group", default="bench")
-    parser.add_argument("--handler", choices=["noop", "insert"], default="noop")
+    # insert-group: the same insert with group_commit=True (dedupe kinds only).
+    parser.add_argument("--handler", choices=["noop", "insert", "insert-group"], default="noop")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prefetch", type=int, default=64)
     parser.add_argument("--sql-loops", type=int, default=4)
@@ -369,7 +370,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rss-every-s", type=float, default=0)
     parser.add_argument("--time-limit-s", type=float, default=300)
     parser.add_argument("--profile", help="write a pyinstrument text profile here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.handler == "insert-group" and KINDS[args.kind] is not dedupe:
+        # The plain consumers have no group commit; they would silently run the no-op.
+        parser.error(f"--handler insert-group needs a dedupe kind, not {args.kind}")
+    return args
 
 
 if __name__ == "__main__":
