@@ -359,7 +359,10 @@ class Processor:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self._heartbeat_s)
-            await self.leases.beat()
+            try:
+                await self.leases.beat()
+            except Exception:  # a bug: log it, but never let the leases lapse for good
+                logger.exception("heartbeat failed unexpectedly; trying again")
 
     async def _gc_loop(self) -> None:
         assert self._gc_interval_s

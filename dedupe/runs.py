@@ -214,7 +214,9 @@ class Runner:
                     if db is None:
                         call = handler.fn(payload)
                     else:
-                        if handler.group_commit:
+                        # A taken-over key's first run (alone) keeps out of the groups: if it is
+                        # what kills workers, it takes no other run's writes down with it.
+                        if handler.group_commit and isolate is None:
                             member = await self.lanes.join()
                             db = member.db
                         effects = RunEffects(db, fence, cancel=functools.partial(_lose, lease))
@@ -241,13 +243,22 @@ class Runner:
             finally:
                 if isolate is not None:
                     isolate.release()
+            if lease.lost:  # a step found the key taken over; the handler went on regardless
+                raise LeaseLost()
             result = encode_result(value)
             if self.hooks.any("handled"):
                 await self.hooks("handled", message, fence)
             lease.completing = True
             if member is not None:
                 outgoing = effects.outgoing if effects is not None else []
-                committed = await member.complete(fence, result, handler.retention_s, outgoing)
+                committed = await member.complete(
+                    fence,
+                    result,
+                    handler.retention_s,
+                    outgoing,
+                    attempt=lease.attempt,
+                    lease_s=handler.lease_s,
+                )
                 return Pending(ticket, fence, result, committed)
             if db is not None and db.started:
                 outgoing = effects.outgoing if effects is not None else []
@@ -345,7 +356,8 @@ class Runner:
 
 
 def _lose(lease: Lease) -> None:
-    """A step found the key taken over: this run is a zombie; its outcome is lease lost."""
+    """A step found the key taken over: this run is a zombie; its outcome is lease lost, even if
+    the handler catches the step's LeaseLost and returns (nothing it wrote commits)."""
     lease.lost = True
 
 

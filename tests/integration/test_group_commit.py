@@ -57,6 +57,9 @@ def grouped_app(hold_s: float = 0.0, **behaviour: str) -> App:
         if what == "swallow":  # refused and caught: the transaction is aborted all the same
             with contextlib.suppress(asyncpg.UniqueViolationError):
                 await ctx.db.execute("INSERT INTO effects VALUES ($1, 0)", ctx.key)
+        if what == "timeout":  # a statement cut off by its timeout, the error caught
+            with contextlib.suppress(TimeoutError):
+                await ctx.db.execute("SELECT pg_sleep(5)", timeout=0.05)
         if what == "taken":  # another worker takes this key over before the group commits
             conn = await asyncpg.connect(app_dsn["url"])
             try:
@@ -147,6 +150,9 @@ async def test_a_member_taken_over_writes_nothing_and_the_others_run_again_once(
         assert set(actions(again).values()) == {Action.ACK}
     keys = [r["key"] for r in await effects.fetch("SELECT key FROM effects")]
     assert sorted(keys) == sorted(f"k{i}" for i in range(10) if i != 3)
+    # The rolled-back runs were given back with their attempt: running again counts one run.
+    attempts = await effects.fetch("SELECT attempts FROM dedupe_claims WHERE key <> 'k3'")
+    assert {r["attempts"] for r in attempts} == {1}
 
 
 async def test_a_run_that_swallows_a_refused_statement_cannot_complete_in_its_group(
@@ -162,6 +168,21 @@ async def test_a_run_that_swallows_a_refused_statement_cannot_complete_in_its_gr
     assert set(outcome.values()) == {Action.ACK}
     keys = {r["key"] for r in await effects.fetch("SELECT key FROM effects")}
     assert keys == {"k0", "k1", "k3", "k4"}
+
+
+async def test_a_run_whose_statement_timed_out_cannot_complete_in_its_group(
+    store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """A statement cut off by its timeout (the handler caught the error) leaves the group's
+    transaction aborted: that run is requeued, its writes rolled back; the others commit."""
+    deliveries = batch(5)
+    async with Processor(grouped_app(k1="timeout"), store) as processor:
+        await processor.process(CH, deliveries)
+    outcome = actions(deliveries)
+    assert outcome.pop("k1") is Action.REQUEUE
+    assert set(outcome.values()) == {Action.ACK}
+    keys = {r["key"] for r in await effects.fetch("SELECT key FROM effects")}
+    assert keys == {"k0", "k2", "k3", "k4"}
 
 
 async def test_group_commit_needs_a_handler_that_takes_a_context() -> None:

@@ -86,9 +86,12 @@ async def test_publishes_are_stored_with_the_writes_and_relayed_in_order(
         await processor.process(CH, [order("o-1")])
 
         async def relayed() -> bool:
-            return len(publisher.sent) == 5
+            unsent = await orders.fetchval(
+                "SELECT count(*) FROM dedupe_outbox WHERE sent_at IS NULL"
+            )
+            return len(publisher.sent) == 5 and unsent == 0
 
-        await eventually(relayed, timeout_s=5)
+        await eventually(relayed, timeout_s=10)
     assert [json.loads(body)["i"] for _, body, _, _ in publisher.sent] == [0, 1, 2, 3, 4]
     ids = [message_id for _, _, message_id, _ in publisher.sent]
     assert len(set(ids)) == 5
