@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .batching import Batcher
+from .claims import Claim, ClaimRequest, Fence
 from .errors import InvalidKey, InvalidPayload, KeyMissing, StoreError
 from .keys import KeyFunc, derive_key
 from .message import Message
-from .store import Claim, ClaimRequest, ClaimStore, Fence
+from .store import ClaimStore
 from .transport import Reason
 from .values import check_claimable
 
