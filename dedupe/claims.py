@@ -3,14 +3,22 @@ the row in the way), and the fence a claim of ours is held by. No I/O."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class ClaimRequest:
+    """The claim a message asks for: its key and its payload's fingerprint (dedupe.fingerprints)."""
+
     scope: str
     key: str
-    payload_hash: bytes
+    payload_hash: bytes  # SHA-256 of the payload under `fingerprint`
+    fingerprint: str | None = None  # the scheme, stored with the claim; None: the raw bytes
+    # SHA-256 of the body bytes, under any other scheme: a claim stored under the raw scheme
+    # (before the handler's fingerprint changed) is compared with it.
+    raw_hash: bytes | None = None
+    # The body, kept with a new claim (keep_payload), so a conflict can show what differs.
+    payload: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
