@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import InvalidPayload, KeyMissing
+from .fingerprints import RAW, Fingerprint
 from .keys import KeyFunc
 from .message import Headers, Message
 from .values import check_claimable
@@ -61,6 +62,8 @@ class WebhookSource:
     max_body_bytes: int
     lease_s: float
     retention_s: float
+    fingerprint: Fingerprint = RAW  # what "the same body" is for a key sent again
+    keep_payload: bool = False  # keep the first body with its claim, for conflicts
 
     @property
     def scope(self) -> str:
