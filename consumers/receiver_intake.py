@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -27,8 +26,11 @@ from dedupe.claiming import (
     Unclaimable,
     Verdict,
 )
+from dedupe.errors import InvalidPayload
+from dedupe.fingerprints import claim_request
+from dedupe.message import Headers, Message
 from dedupe.metrics import Metrics
-from dedupe.store import ClaimRequest, ClaimStore, Fence
+from dedupe.store import ClaimStore, Fence
 from dedupe.transport import Publisher
 from dedupe.webhooks import Identity, WebhookSource
 
@@ -61,7 +63,25 @@ class Intake:
         self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
     ) -> Response:
         """Claim the key and publish, or answer for the claim someone else holds."""
-        request = ClaimRequest(identity.scope, identity.key, hashlib.sha256(body).digest())
+        # The message as the worker behind us will see it: the source's fingerprint (and a
+        # fingerprint function) looks at that.
+        message = Message(
+            channel=source.channel,
+            body=body,
+            headers=Headers(forward),
+            message_id=identity.message_id,
+            content_type=forward.get("content-type"),
+        )
+        try:
+            request = claim_request(
+                identity.scope,
+                identity.key,
+                message,
+                source.fingerprint,
+                keep_payload=source.keep_payload,
+            )
+        except InvalidPayload as exc:
+            return problem(400, "invalid-payload", "Invalid payload", str(exc))
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.store_timeout_s):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from .batching import Batcher
 from .claims import Claim, ClaimRequest, Fence
 from .errors import InvalidKey, InvalidPayload, KeyMissing, StoreError
+from .fingerprints import RAW, Fingerprint, claim_request
 from .keys import KeyFunc, derive_key
 from .message import Message
 from .store import ClaimStore
@@ -131,22 +132,28 @@ def verdict_of(claim: Claim) -> Verdict | None:
 
 
 def request_for(
-    message: Message, *, key_func: KeyFunc, scope_of: Callable[[Message], str | None]
+    message: Message,
+    *,
+    key_func: KeyFunc,
+    scope_of: Callable[[Message], str | None],
+    fingerprint: Fingerprint = RAW,
+    keep_payload: bool = False,
 ) -> ClaimRequest | Unclaimable:
-    """The claim a message asks for under a handler (its scope and key), or why it has none."""
+    """The claim a message asks for under a handler (its scope, key and payload's
+    fingerprint), or why it has none."""
     try:
         scope = scope_of(message)
         if not scope:
             raise KeyMissing("the message has no tenant where the handler's scope looks")
         key = derive_key(key_func, message)
         check_claimable(scope, key)
+        return claim_request(scope, key, message, fingerprint, keep_payload=keep_payload)
     except InvalidKey as exc:
         return Unclaimable(Reason.INVALID_KEY, str(exc))
     except KeyMissing as exc:
         return Unclaimable(Reason.MISSING_KEY, str(exc))
     except InvalidPayload as exc:
         return Unclaimable(Reason.INVALID_PAYLOAD, str(exc))
-    return ClaimRequest(scope, key, message.payload_hash)
 
 
 # -- claiming --------------------------------------------------------------------------------

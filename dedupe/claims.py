@@ -38,6 +38,10 @@ class Claim:
     error: str | None = None
     dead_lettered: bool | None = None
     row_token: int | None = None  # the token of the row in the way (not ours)
+    # A conflict's other side: the claim's scheme (None: raw), its hash and its kept payload.
+    row_fingerprint: str | None = None
+    row_hash: bytes | None = None
+    row_payload: bytes | None = field(default=None, repr=False)
     refused: str | None = None  # PostgreSQL refused this claim's values: why
 
     @property

@@ -132,6 +132,9 @@ class ClaimStore:
                 float(lease_s),
                 float(retention_s),
                 request_id,
+                [r.fingerprint for r in batch],
+                [r.raw_hash for r in batch],
+                [r.payload for r in batch],
             )
 
         rows, refused = await self._each(requests, send)
@@ -339,6 +342,9 @@ def _claim_of(row: asyncpg.Record) -> Claim:
         error=row["error"],
         dead_lettered=row["dead_lettered"],
         row_token=row["row_token"],
+        row_fingerprint=row["row_fingerprint"],
+        row_hash=row["row_hash"],
+        row_payload=row["row_payload"],
     )
 
 
