@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .batching import Batcher
 from .claims import Claim, ClaimRequest, Fence
@@ -66,6 +66,9 @@ class Conflict:
     """The key was first claimed with another payload: never run this one."""
 
     status: str
+    fingerprint: str | None = None  # the claim's scheme (None: raw)
+    payload_hash: bytes | None = None  # the claim's hash under it
+    payload: bytes | None = field(default=None, repr=False)  # the claim's kept payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +120,7 @@ def verdict_of(claim: Claim) -> Verdict | None:
     if claim.status is None:
         return None
     if claim.same_payload is False:
-        return Conflict(claim.status)
+        return Conflict(claim.status, claim.row_fingerprint, claim.row_hash, claim.row_payload)
     if claim.status == "failed" and not claim.dead_lettered and claim.row_token is not None:
         detail = (claim.error or "").split(": ", 1)[-1]
         return Unsent(

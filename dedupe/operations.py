@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,13 +30,21 @@ class ClaimAdmin:
             raise StoreError(f"{name} failed: {exc.__class__.__name__}: {exc}") from exc
 
     async def show(self, scope: str, key: str) -> dict[str, Any] | None:
-        """The claim with its trace id and its history of rare events (oldest first)."""
+        """The claim with its trace id, its history of rare events and its conflicts (both
+        fingerprints, the paths that differ), oldest first."""
         rows = await self._fetch("show_claim", scope, key)
         if not rows:
             return None
         claim = rows[0]
         claim["history"] = await self._fetch("history", scope, key)
+        claim["conflicts"] = _decoded(await self._fetch("conflicts_of", scope, key))
         return claim
+
+    async def conflicts(
+        self, *, scope: str | None = None, settled: bool = False, limit: int = 50
+    ) -> list[dict[str, Any]]:
+        """Recorded conflicts, newest first: the unsettled ones, or all with `settled`."""
+        return _decoded(await self._fetch("list_conflicts", scope, limit, settled))
 
     async def release(self, scope: str, key: str) -> str | None:
         """Let a stuck or failed key run again; its status before, None if not releasable."""
@@ -79,3 +88,10 @@ class ClaimAdmin:
             deleted += count
             if count < batch_size:
                 return deleted
+
+
+def _decoded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Conflict rows with their diff as a list of changes (None: not known)."""
+    for row in rows:
+        row["diff"] = None if row["diff"] is None else json.loads(row["diff"])
+    return rows

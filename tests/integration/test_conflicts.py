@@ -1,0 +1,138 @@
+"""Conflicts people can act on, against a real PostgreSQL: the dead letter and the history event
+carry both fingerprints and the diff, `claims show` shows them, and the conflict's record keeps
+the second payload (keep_payload) for as long as the claim lives."""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+from pydantic import BaseModel
+
+from consumers.memory import MemoryDelivery, make_message
+from dedupe import App, Context
+from dedupe.activity import Activity
+from dedupe.operations import ClaimAdmin
+from dedupe.pipeline import Processor
+from dedupe.store import ClaimStore
+from dedupe.transport import Action, Reason, dead_letter_headers
+
+CH = "orders"
+FIRST = b'{"n": 1, "amount": 1000, "note": "card 4242", "sent_at": "10:00"}'
+SECOND = b'{"n": 1, "amount": 1200, "coupon": "SECRET10", "sent_at": "10:05"}'
+
+
+class Order(BaseModel):
+    n: int
+
+
+def order(key: str, body: bytes, message_id: str = "m") -> MemoryDelivery:
+    return MemoryDelivery(
+        make_message(CH, body, message_id=message_id, headers={"Idempotency-Key": key})
+    )
+
+
+def order_app(calls: list[str], **options: object) -> App:
+    app = App("t")
+
+    @app.handler(CH, key="header:Idempotency-Key", **options)  # type: ignore[arg-type]
+    async def place(payload: Order, ctx: Context) -> None:
+        calls.append(ctx.key)
+
+    return app
+
+
+async def run(app: App, store: ClaimStore, *deliveries: MemoryDelivery) -> None:
+    """As `dedupe-worker run` does: with the activity that records conflicts, flushed at exit."""
+    async with (
+        Activity(store) as activity,
+        Processor(app, store, observers=[activity]) as processor,
+    ):
+        for delivery in deliveries:
+            await processor.process(CH, [delivery])
+
+
+async def test_a_real_conflict_shows_its_diff_in_claims_show(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """Both fingerprints and the paths that differ, on the dead letter, in the history and in
+    `claims show`; never a value of either payload."""
+    calls: list[str] = []
+    app = order_app(calls, fingerprint="json", fingerprint_exclude=("sent_at",), keep_payload=True)
+    conflicting = order("k", SECOND, message_id="m-2")
+    await run(app, store, order("k", FIRST, message_id="m-1"), conflicting)
+    assert calls == ["k"]
+
+    settlement = conflicting.settlements[-1]
+    assert (settlement.action, settlement.reason) == (Action.DEAD_LETTER, Reason.KEY_CONFLICT)
+    headers = dead_letter_headers(settlement)
+    diff = "~ amount (number); + coupon (string); - note (string)"
+    assert headers["x-dedupe-diff"] == diff
+    assert headers["x-dedupe-fingerprint"].startswith('json exclude=["sent_at"] ')
+    assert headers["x-dedupe-claimed-fingerprint"].startswith('json exclude=["sent_at"] ')
+
+    shown = await ClaimAdmin(store).show("t.place", "k")
+    assert shown is not None
+    assert (shown["fingerprint"], shown["payload_bytes"]) == (
+        'json exclude=["sent_at"]',
+        len(FIRST),
+    )
+    [conflict] = shown["conflicts"]
+    assert conflict["diff"] == ["~ amount (number)", "+ coupon (string)", "- note (string)"]
+    assert conflict["fingerprint"] == headers["x-dedupe-fingerprint"]
+    assert conflict["claimed_fingerprint"] == headers["x-dedupe-claimed-fingerprint"]
+    assert (conflict["payload_bytes"], conflict["message_id"], conflict["settled"]) == (
+        len(SECOND),
+        "m-2",
+        None,
+    )
+    [event] = [e for e in shown["history"] if e["event"] == "conflict"]
+    assert "~ amount (number)" in event["detail"]
+    assert headers["x-dedupe-fingerprint"].split()[-1][:12] in event["detail"]
+    everything = str(shown) + str(headers)
+    assert not any(value in everything for value in ("4242", "SECRET10", "1000", "1200"))
+    stored = await db.fetchval("SELECT payload FROM dedupe_conflicts")
+    assert stored == SECOND
+
+
+async def test_a_conflicting_message_delivered_again_is_one_record(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """Three copies of one conflicting message: three dead letters, one record counting three."""
+    calls: list[str] = []
+    app = order_app(calls, keep_payload=True)
+    copies = [order("k", SECOND) for _ in range(3)]
+    await run(app, store, order("k", FIRST), *copies)
+    assert all(c.settlements[-1].reason is Reason.KEY_CONFLICT for c in copies)
+    rows = await db.fetch("SELECT deliveries, diff::text FROM dedupe_conflicts")
+    assert [r["deliveries"] for r in rows] == [3]
+
+
+async def test_without_keep_payload_a_conflict_has_fingerprints_but_no_diff(
+    store: ClaimStore,
+) -> None:
+    """Nothing of either payload is stored; the record says why there is no diff."""
+    calls: list[str] = []
+    await run(order_app(calls), store, order("k", FIRST), order("k", SECOND))
+    shown = await ClaimAdmin(store).show("t.place", "k")
+    assert shown is not None and shown["payload_bytes"] is None
+    [conflict] = shown["conflicts"]
+    assert conflict["diff"] is None and "kept no payload" in conflict["note"]
+    assert conflict["payload_bytes"] is None
+    assert conflict["fingerprint"].startswith("raw ")
+
+
+@pytest.mark.parametrize("how", ["gc", "purge"])
+async def test_a_conflict_goes_with_its_claim(
+    store: ClaimStore, db: asyncpg.Connection, how: str
+) -> None:
+    """Same retention as the claim: clean-up and purges delete its conflicts too."""
+    calls: list[str] = []
+    await run(order_app(calls, keep_payload=True), store, order("k", FIRST), order("k", SECOND))
+    assert await db.fetchval("SELECT count(*) FROM dedupe_conflicts") == 1
+    await db.execute("UPDATE dedupe_claims SET expires_at = now() - interval '1 s'")
+    if how == "gc":
+        assert await store.gc() == 1
+    else:
+        await db.execute("UPDATE dedupe_claims SET updated_at = now() - interval '1 day'")
+        assert await ClaimAdmin(store).purge(older_than_s=3600) == 1
+    assert await db.fetchval("SELECT count(*) FROM dedupe_conflicts") == 0
