@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .batching import Batcher
 from .claims import Claim, ClaimRequest, Fence
+from .conflicts import RUN_AS_HEADER, RUN_AS_SCOPE_HEADER
 from .errors import InvalidKey, InvalidPayload, KeyMissing, StoreError
 from .fingerprints import RAW, Fingerprint, claim_request
 from .keys import KeyFunc, derive_key
@@ -148,7 +149,7 @@ def request_for(
         scope = scope_of(message)
         if not scope:
             raise KeyMissing("the message has no tenant where the handler's scope looks")
-        key = derive_key(key_func, message)
+        key = _run_as(message, scope) or derive_key(key_func, message)
         check_claimable(scope, key)
         return claim_request(scope, key, message, fingerprint, keep_payload=keep_payload)
     except InvalidKey as exc:
@@ -157,6 +158,14 @@ def request_for(
         return Unclaimable(Reason.MISSING_KEY, str(exc))
     except InvalidPayload as exc:
         return Unclaimable(Reason.INVALID_PAYLOAD, str(exc))
+
+
+def _run_as(message: Message, scope: str) -> str | None:
+    """The key an operator gave this message's scope when settling a conflict, if any."""
+    headers = message.headers
+    if RUN_AS_SCOPE_HEADER in headers and headers[RUN_AS_SCOPE_HEADER] == scope:
+        return headers.get(RUN_AS_HEADER) or None
+    return None
 
 
 # -- claiming --------------------------------------------------------------------------------

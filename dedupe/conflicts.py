@@ -24,6 +24,11 @@ FINGERPRINT_HEADER = "x-dedupe-fingerprint"  # the dead-lettered message's
 CLAIMED_FINGERPRINT_HEADER = "x-dedupe-claimed-fingerprint"  # the claim's, made first
 DIFF_HEADER = "x-dedupe-diff"
 CONFLICT_HEADERS = (FINGERPRINT_HEADER, CLAIMED_FINGERPRINT_HEADER, DIFF_HEADER)
+# A conflict settled with `--run-as NEW_KEY` republishes the second payload with these: under
+# the handler whose scope is RUN_AS_SCOPE_HEADER the key is RUN_AS_HEADER, whatever its key
+# spec says (dedupe.claiming.request_for); the channel's other handlers key it as before.
+RUN_AS_HEADER = "x-dedupe-run-as"
+RUN_AS_SCOPE_HEADER = "x-dedupe-run-as-scope"
 
 MAX_CHANGES = 20
 MAX_DIFF_HEADER_CHARS = 1000
@@ -231,6 +236,8 @@ __all__ = [
     "DIFF_HEADER",
     "FINGERPRINT_HEADER",
     "MAX_CHANGES",
+    "RUN_AS_HEADER",
+    "RUN_AS_SCOPE_HEADER",
     "ConflictReport",
     "fingerprint_text",
     "json_diff",

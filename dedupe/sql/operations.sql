@@ -131,3 +131,20 @@ SELECT id, at, scope, key, deliveries, fingerprint, claimed_fingerprint, diff::t
    AND ($3 OR settled_at IS NULL)
  ORDER BY at DESC, id DESC
  LIMIT $2;
+
+-- name: conflicts_to_settle
+-- The unsettled conflicts of a key ($3: one of them), locked until the settling commits, so
+-- two operators cannot settle one conflict twice.
+SELECT id, fingerprint, channel, message_id, headers::text AS headers, content_type, payload,
+       source
+  FROM dedupe_conflicts
+ WHERE scope = $1 AND key = $2 AND settled_at IS NULL AND ($3::bigint IS NULL OR id = $3)
+ ORDER BY id
+   FOR UPDATE;
+
+-- name: settle_conflict
+-- Settled: the second payload is dropped (discarded, or handed to the outbox to run).
+UPDATE dedupe_conflicts SET settled_at = now(), settled = $2, payload = NULL WHERE id = $1;
+
+-- name: claim_status
+SELECT status FROM dedupe_claims WHERE scope = $1 AND key = $2;

@@ -4,6 +4,8 @@ the second payload (keep_payload) for as long as the claim lives."""
 
 from __future__ import annotations
 
+import json
+
 import asyncpg
 import pytest
 from pydantic import BaseModel
@@ -136,3 +138,117 @@ async def test_a_conflict_goes_with_its_claim(
         await db.execute("UPDATE dedupe_claims SET updated_at = now() - interval '1 day'")
         assert await ClaimAdmin(store).purge(older_than_s=3600) == 1
     assert await db.fetchval("SELECT count(*) FROM dedupe_conflicts") == 0
+
+
+# -- settling ----------------------------------------------------------------------------------
+
+
+async def relayed(db: asyncpg.Connection) -> list[MemoryDelivery]:
+    """What a worker's outbox relay would publish, as the broker would deliver it."""
+    rows = await db.fetch(
+        "SELECT channel, message_id, body, headers::text AS headers, content_type"
+        " FROM dedupe_outbox WHERE sent_at IS NULL ORDER BY id"
+    )
+    await db.execute("UPDATE dedupe_outbox SET sent_at = now()")
+    return [
+        MemoryDelivery(
+            make_message(
+                row["channel"],
+                bytes(row["body"]),
+                message_id=row["message_id"],
+                headers=json.loads(row["headers"]),
+            )
+        )
+        for row in rows
+    ]
+
+
+def two_handler_app(calls: list[tuple[str, str]]) -> App:
+    """`place` conflicts; `audit`, keyed by message id on the same channel, ran the message."""
+    app = App("t")
+
+    @app.handler(CH, key="header:Idempotency-Key", keep_payload=True)
+    async def place(payload: Order, ctx: Context) -> None:
+        calls.append(("place", ctx.key))
+
+    @app.handler(CH)
+    async def audit(payload: Order, ctx: Context) -> None:
+        calls.append(("audit", ctx.key))
+
+    return app
+
+
+async def test_a_conflict_settled_with_run_as_runs_the_second_payload_under_the_new_key(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """The second payload goes out through the outbox with the new key for its scope alone:
+    the conflicting handler runs it once, the channel's other handler sees a duplicate."""
+    calls: list[tuple[str, str]] = []
+    app = two_handler_app(calls)
+    await run(app, store, order("k", FIRST, "m-1"), order("k", SECOND, "m-2"))
+    assert calls == [("place", "k"), ("audit", "m-1"), ("audit", "m-2")]
+
+    settled = await ClaimAdmin(store).settle_conflict("t.place", "k", run_as="k-2")
+    assert (settled.how, settled.channel) == ("run as k-2", CH)
+    [copy] = await relayed(db)
+    assert (copy.message.message_id, copy.message.body) == ("m-2", SECOND)
+    assert copy.message.headers["Idempotency-Key"] == "k"  # the sender's headers, as sent
+    await run(app, store, copy)
+    assert calls[3:] == [("place", "k-2")]
+    assert copy.settlements[-1].action is Action.ACK
+
+    shown = await ClaimAdmin(store).show("t.place", "k")
+    assert shown is not None
+    [conflict] = shown["conflicts"]
+    assert (conflict["settled"], conflict["payload_bytes"]) == ("run as k-2", None)
+    assert conflict["settled_at"] is not None
+    [event] = [e for e in shown["history"] if e["event"] == "conflict_settled"]
+    assert "k-2" in event["detail"]
+    new = await ClaimAdmin(store).show("t.place", "k-2")
+    assert new is not None and new["status"] == "completed"
+
+
+async def test_a_conflict_settled_by_discarding_drops_the_second_payload(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """Nothing is published; the record keeps its fingerprints and diff, not the payload."""
+    calls: list[tuple[str, str]] = []
+    await run(two_handler_app(calls), store, order("k", FIRST, "m-1"), order("k", SECOND, "m-2"))
+    settled = await ClaimAdmin(store).settle_conflict("t.place", "k", run_as=None)
+    assert settled.how == "discarded"
+    assert await relayed(db) == []
+    row = await db.fetchrow("SELECT payload, settled, diff::text AS diff FROM dedupe_conflicts")
+    assert (row["payload"], row["settled"]) == (None, "discarded")
+    assert "amount" in row["diff"]
+    history = await db.fetch("SELECT event, detail FROM dedupe_claim_events WHERE key = 'k'")
+    assert [r["detail"] for r in history if r["event"] == "conflict_settled"] == [
+        "discarded the second payload (" + settled.fingerprint + ")"
+    ]
+
+
+async def test_settling_refuses_what_it_cannot_do_and_says_why(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """No conflict, a settled one, two at once, a payload not kept, a new key in use."""
+    from dedupe.operations import NotSettled
+
+    calls: list[tuple[str, str]] = []
+    app = two_handler_app(calls)
+    admin = ClaimAdmin(store)
+    with pytest.raises(NotSettled, match="no unsettled conflict"):
+        await admin.settle_conflict("t.place", "k", run_as=None)
+    third = b'{"n": 3}'
+    await run(app, store, order("k", FIRST), order("k", SECOND), order("k", third))
+    with pytest.raises(NotSettled, match=r"2 unsettled conflicts \(ids \d+, \d+\).*--id"):
+        await admin.settle_conflict("t.place", "k", run_as=None)
+    [first_id, second_id] = [r["id"] for r in await admin.conflicts(scope="t.place")][::-1]
+    with pytest.raises(NotSettled, match="already claimed"):
+        await admin.settle_conflict("t.place", "k", run_as="k", conflict_id=first_id)
+    await admin.settle_conflict("t.place", "k", run_as=None, conflict_id=first_id)
+    with pytest.raises(NotSettled, match="no unsettled conflict"):
+        await admin.settle_conflict("t.place", "k", run_as="k-9", conflict_id=first_id)
+    await db.execute("UPDATE dedupe_conflicts SET payload = NULL WHERE id = $1", second_id)
+    with pytest.raises(NotSettled, match="was not kept"):
+        await admin.settle_conflict("t.place", "k", run_as="k-9")
+    with pytest.raises(NotSettled, match="NUL"):
+        await admin.settle_conflict("t.place", "k", run_as="bad\x00key")
