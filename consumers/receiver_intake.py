@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from consumers.receiver_limits import too_large_for_broker
 from consumers.receiver_replies import Reply, accepted, in_flight, problem, unavailable
+from dedupe import conflicts
 from dedupe.activity import Activity
 from dedupe.claiming import (
     Claims,
@@ -30,7 +31,7 @@ from dedupe.errors import InvalidPayload
 from dedupe.fingerprints import claim_request
 from dedupe.message import Headers, Message
 from dedupe.metrics import Metrics
-from dedupe.store import ClaimStore, Fence
+from dedupe.store import ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Publisher
 from dedupe.webhooks import Identity, WebhookSource
 
@@ -105,26 +106,47 @@ class Intake:
         self.metrics.claimed(source.scope, time.perf_counter() - started, 1)
         if isinstance(verdict, Ours):
             return await self._publish(source, identity, verdict, forward, body)
+        if isinstance(verdict, Conflict):
+            return self._conflict(source, identity, verdict, request, message)
         return self._answer_for(source, identity, verdict)
 
+    def _conflict(
+        self,
+        source: WebhookSource,
+        identity: Identity,
+        verdict: Conflict,
+        request: ClaimRequest,
+        message: Message,
+    ) -> Response:
+        """Another body under a used key: 422, recorded with both fingerprints and the diff."""
+        self.stats["conflicts"] += 1
+        if self.activity is not None:
+            report = conflicts.report(
+                request,
+                message,
+                source.fingerprint,
+                claimed_fingerprint=verdict.fingerprint,
+                claimed_hash=verdict.payload_hash,
+                claimed_payload=verdict.payload,
+                keep_payload=source.keep_payload,
+                source=source.name,
+            )
+            self.activity.conflict(identity.scope, identity.key, "", report=report)
+        logger.info(
+            "webhook %s: key %s reused with another body: 422",
+            source.name,
+            identity.key,
+            extra=log_fields(source, identity, "conflict"),
+        )
+        return problem(
+            422,
+            "key-conflict",
+            "Idempotency key reused",
+            "this idempotency key was used with another body; use a new key",
+        )
+
     def _answer_for(self, source: WebhookSource, identity: Identity, verdict: Verdict) -> Response:
-        """The reply to a key we do not own: replay, conflict or come back later."""
-        if isinstance(verdict, Conflict):
-            self.stats["conflicts"] += 1
-            if self.activity is not None:
-                self.activity.conflict(identity.scope, identity.key, "webhook body differs: 422")
-            logger.info(
-                "webhook %s: key %s reused with another body: 422",
-                source.name,
-                identity.key,
-                extra=log_fields(source, identity, "conflict"),
-            )
-            return problem(
-                422,
-                "key-conflict",
-                "Idempotency key reused",
-                "this idempotency key was used with another body; use a new key",
-            )
+        """The reply to a key we do not own: replay, or come back later."""
         if isinstance(verdict, InFlight):
             self.stats["in_flight"] += 1
             return in_flight()
