@@ -252,3 +252,26 @@ async def test_settling_refuses_what_it_cannot_do_and_says_why(
         await admin.settle_conflict("t.place", "k", run_as="k-9")
     with pytest.raises(NotSettled, match="NUL"):
         await admin.settle_conflict("t.place", "k", run_as="bad\x00key")
+
+
+async def test_the_status_page_shows_unsettled_conflicts_with_their_diff(
+    store: ClaimStore,
+) -> None:
+    """A table of its own: scope, key, both fingerprints (short) and what differs, escaped."""
+    import httpx
+    from starlette.applications import Starlette
+
+    from consumers.status_page import StatusPage
+
+    calls: list[str] = []
+    app = order_app(calls, keep_payload=True, fingerprint="json")
+    await run(app, store, order("k<1>", FIRST), order("k<1>", SECOND))
+    page = Starlette(routes=StatusPage(store).routes())
+    transport = httpx.ASGITransport(app=page, client=("127.0.0.1", 5000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+        html = (await http.get("/status")).text
+    section = html.split("<table id='conflicts'>", 1)[1].split("</table>", 1)[0]
+    assert "k&lt;1&gt;" in section and "t.place" in section
+    assert "~ amount (number)" in section and "+ coupon (string)" in section
+    assert "conflicts settle" in html
+    assert not any(value in html for value in ("4242", "SECRET10"))
