@@ -270,7 +270,7 @@ def claim_request(
     """The claim for (scope, key) with the message's fingerprint; InvalidPayload when a
     fingerprint function fails. The body rides along when kept and at most 64 KiB."""
     payload_hash = fingerprint.digest(message)
-    raw_hash = None if fingerprint is RAW else hashlib.sha256(message.body).digest()
+    raw_hash = None if fingerprint.stored is None else hashlib.sha256(message.body).digest()
     kept = message.body if keep_payload and len(message.body) <= KEEP_PAYLOAD_MAX_BYTES else None
     return ClaimRequest(scope, key, payload_hash, fingerprint.stored, raw_hash, kept)
 
