@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from starlette.responses import Response
 
 from consumers.receiver_limits import too_large_for_broker
 from consumers.receiver_replies import Reply, accepted, in_flight, problem, unavailable
+from dedupe import conflicts
 from dedupe.activity import Activity
 from dedupe.claiming import (
     Claims,
@@ -27,6 +27,9 @@ from dedupe.claiming import (
     Unclaimable,
     Verdict,
 )
+from dedupe.errors import InvalidPayload
+from dedupe.fingerprints import claim_request
+from dedupe.message import Headers, Message
 from dedupe.metrics import Metrics
 from dedupe.store import ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Publisher
@@ -61,7 +64,25 @@ class Intake:
         self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
     ) -> Response:
         """Claim the key and publish, or answer for the claim someone else holds."""
-        request = ClaimRequest(identity.scope, identity.key, hashlib.sha256(body).digest())
+        # The message as the worker behind us will see it: the source's fingerprint (and a
+        # fingerprint function) looks at that.
+        message = Message(
+            channel=source.channel,
+            body=body,
+            headers=Headers(forward),
+            message_id=identity.message_id,
+            content_type=forward.get("content-type"),
+        )
+        try:
+            request = claim_request(
+                identity.scope,
+                identity.key,
+                message,
+                source.fingerprint,
+                keep_payload=source.keep_payload,
+            )
+        except InvalidPayload as exc:
+            return problem(400, "invalid-payload", "Invalid payload", str(exc))
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.store_timeout_s):
@@ -85,26 +106,47 @@ class Intake:
         self.metrics.claimed(source.scope, time.perf_counter() - started, 1)
         if isinstance(verdict, Ours):
             return await self._publish(source, identity, verdict, forward, body)
+        if isinstance(verdict, Conflict):
+            return self._conflict(source, identity, verdict, request, message)
         return self._answer_for(source, identity, verdict)
 
+    def _conflict(
+        self,
+        source: WebhookSource,
+        identity: Identity,
+        verdict: Conflict,
+        request: ClaimRequest,
+        message: Message,
+    ) -> Response:
+        """Another body under a used key: 422, recorded with both fingerprints and the diff."""
+        self.stats["conflicts"] += 1
+        if self.activity is not None:
+            report = conflicts.report(
+                request,
+                message,
+                source.fingerprint,
+                claimed_fingerprint=verdict.fingerprint,
+                claimed_hash=verdict.payload_hash,
+                claimed_payload=verdict.payload,
+                keep_payload=source.keep_payload,
+                source=source.name,
+            )
+            self.activity.conflict(identity.scope, identity.key, "", report=report)
+        logger.info(
+            "webhook %s: key %s reused with another body: 422",
+            source.name,
+            identity.key,
+            extra=log_fields(source, identity, "conflict"),
+        )
+        return problem(
+            422,
+            "key-conflict",
+            "Idempotency key reused",
+            "this idempotency key was used with another body; use a new key",
+        )
+
     def _answer_for(self, source: WebhookSource, identity: Identity, verdict: Verdict) -> Response:
-        """The reply to a key we do not own: replay, conflict or come back later."""
-        if isinstance(verdict, Conflict):
-            self.stats["conflicts"] += 1
-            if self.activity is not None:
-                self.activity.conflict(identity.scope, identity.key, "webhook body differs: 422")
-            logger.info(
-                "webhook %s: key %s reused with another body: 422",
-                source.name,
-                identity.key,
-                extra=log_fields(source, identity, "conflict"),
-            )
-            return problem(
-                422,
-                "key-conflict",
-                "Idempotency key reused",
-                "this idempotency key was used with another body; use a new key",
-            )
+        """The reply to a key we do not own: replay, or come back later."""
         if isinstance(verdict, InFlight):
             self.stats["in_flight"] += 1
             return in_flight()

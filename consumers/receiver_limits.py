@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Iterable, Mapping
 from starlette.requests import ClientDisconnect, Request
 
 from dedupe.errors import ConfigurationError
-from dedupe.webhooks import MAX_MESSAGE_ID_BYTES, Identity, WebhookSource
+from dedupe.webhooks import MAX_MESSAGE_ID_BYTES, WEBHOOK_KEY_HEADER, Identity, WebhookSource
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ _CREDENTIAL = re.compile(
 )
 SOURCE_HEADER = "x-dedupe-webhook-source"
 TENANT_HEADER = "x-dedupe-webhook-tenant"
-WEBHOOK_KEY_HEADER = "x-dedupe-webhook-key"
 
 
 def forwarded_headers(

@@ -169,6 +169,7 @@ class StatusPage:
             overview = await admin.overview()
             stuck = await admin.stuck(older_than_s=stuck_after_s, limit=100)
             recent = await admin.recent(("conflict", "failed", "dead_lettered"), limit=30)
+            conflicts = await admin.conflicts(limit=30)
         except StoreError as exc:
             logger.warning("status page: %s", exc)
             return HTMLResponse("<p>the claims database is unavailable</p>", status_code=503)
@@ -181,6 +182,7 @@ class StatusPage:
             self._flash(request),
             self._overview(overview),
             self._stuck(stuck, stuck_after_s, can_release, token),
+            self._conflicts(conflicts),
             self._recent(recent),
             "</body></html>",
         ]
@@ -247,6 +249,27 @@ class StatusPage:
             else "<p class='muted'>Releasing needs the status token or a loopback client.</p>"
         )
         return head + "".join(body) + empty + "</table>" + note
+
+    def _conflicts(self, rows: list[dict[str, Any]]) -> str:
+        """Unsettled conflicts: both fingerprints and the paths that differ (no values)."""
+        head = (
+            "<h2>Unsettled conflicts</h2><table id='conflicts'><tr><th>since</th><th>scope</th>"
+            "<th>key</th><th>deliveries</th><th>this payload / the claim's</th>"
+            "<th>differs at</th></tr>"
+        )
+        body = "".join(
+            f"<tr><td>{_e(r['at'])}</td><td>{_e(r['scope'])}</td><td class='key'>"
+            f"{_e(r['key'])}</td><td class='n'>{r['deliveries']}</td><td class='key'>"
+            f"{_e(r['fingerprint'][:80])}<br>{_e(r['claimed_fingerprint'][:80])}</td>"
+            f"<td>{'<br>'.join(_e(c) for c in (r['diff'] or [])) or _e(r['note'])}</td></tr>"
+            for r in rows
+        )
+        empty = "" if rows else "<tr><td colspan='6' class='muted'>none</td></tr>"
+        note = (
+            "<p class='muted'>Settle one with <code>dedupe-worker conflicts settle SCOPE KEY "
+            "--discard</code> or <code>--run-as NEW_KEY</code>.</p>"
+        )
+        return head + body + empty + "</table>" + note
 
     def _recent(self, rows: list[dict[str, Any]]) -> str:
         head = (

@@ -14,6 +14,7 @@ import pydantic
 
 from .context import Context
 from .errors import ConfigurationError, InvalidPayload
+from .fingerprints import RAW, Fingerprint, FingerprintSpec, compile_fingerprint
 from .keys import KeyFunc, KeySpec, compile_key
 from .message import Message
 from .webhooks import DEFAULT_MAX_BODY_BYTES, Verifier, WebhookSource
@@ -83,6 +84,8 @@ class Handler:
     backoff_s: float
     max_backoff_s: float
     group_commit: bool = False
+    fingerprint: Fingerprint = RAW
+    keep_payload: bool = False
 
     def scope_of(self, message: Message) -> str | None:
         return self.scope_func(message)
@@ -128,6 +131,9 @@ class App:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         group_commit: bool = False,
+        fingerprint: FingerprintSpec = "raw",
+        fingerprint_exclude: tuple[str, ...] = (),
+        keep_payload: bool = False,
     ) -> Callable[[F], F]:
         """Register an async handler for `channel`.
 
@@ -150,6 +156,15 @@ class App:
                 rolls back only its own writes). The runs of a group go one at a time on its
                 connection: for handlers whose ctx.db work is short and that await nothing
                 else while it is open.
+            fingerprint: What "the same payload" is when a key comes again: "raw" (the body
+                bytes), "json" (the JSON value: key order, whitespace and the spelling of
+                numbers do not matter) or a callable (Message) -> bytes. Another payload
+                under a used key is a conflict: dead-lettered as key_conflict, never run.
+            fingerprint_exclude: With "json", dotted body paths left out ("sent_at",
+                "meta.trace", "items.*.seen").
+            keep_payload: Keep the first payload with its claim (up to 64 KiB, as long as the
+                claim) and a conflicting one beside it, so that a conflict shows which paths
+                differ and can be settled (`dedupe-worker conflicts settle`).
         """
 
         def register(fn: F) -> F:
@@ -177,6 +192,7 @@ class App:
             )
             if timeout_s is not None:
                 _check_positive(where, timeout_s=timeout_s)
+            compiled = _fingerprint(where, fingerprint, fingerprint_exclude, keep_payload)
             if not isinstance(max_attempts, int):
                 raise ConfigurationError(f"{where}: max_attempts must be an integer")
             if not (
@@ -238,6 +254,8 @@ class App:
                 backoff_s=float(backoff_s),
                 max_backoff_s=float(max_backoff_s),
                 group_commit=group_commit,
+                fingerprint=compiled,
+                keep_payload=keep_payload,
             )
             return fn
 
@@ -254,6 +272,9 @@ class App:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         lease_s: float = 10.0,
         retention_s: float = 7 * DAY_S,
+        fingerprint: FingerprintSpec = "raw",
+        fingerprint_exclude: tuple[str, ...] = (),
+        keep_payload: bool = False,
     ) -> WebhookSource:
         """Declare a webhook source, served by `dedupe-worker receive` at POST /webhooks/<source>.
 
@@ -268,6 +289,8 @@ class App:
             lease_s: How long a request holds its key while publishing.
             retention_s: How long a key and its stored response are remembered; longer than
                 the sender retries (Stripe: 3 days).
+            fingerprint, fingerprint_exclude, keep_payload: As on app.handler; another body
+                under a used key is answered 422.
         """
         where = f"webhook source {source!r}"
         if not isinstance(source, str) or not _SOURCE.match(source):
@@ -296,6 +319,7 @@ class App:
         _check_positive(
             where, max_body_bytes=max_body_bytes, lease_s=lease_s, retention_s=retention_s
         )
+        compiled = _fingerprint(where, fingerprint, fingerprint_exclude, keep_payload)
         if retention_s < DAY_S:
             logger.warning(
                 "%s: retention_s=%g is under a day; senders retry for days (Stripe: 3)",
@@ -313,6 +337,8 @@ class App:
             max_body_bytes=max_body_bytes,
             lease_s=float(lease_s),
             retention_s=float(retention_s),
+            fingerprint=compiled,
+            keep_payload=keep_payload,
         )
         self.webhooks[source] = webhook
         return webhook
@@ -349,6 +375,14 @@ def _check_positive(where: str, **values: float) -> None:
     for option, value in values.items():
         if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
             raise ConfigurationError(f"{where}: {option} must be a positive number, got {value!r}")
+
+
+def _fingerprint(
+    where: str, spec: FingerprintSpec, exclude: tuple[str, ...], keep_payload: object
+) -> Fingerprint:
+    if not isinstance(keep_payload, bool):
+        raise ConfigurationError(f"{where}: keep_payload must be True or False")
+    return compile_fingerprint(spec, exclude=exclude, where=where)
 
 
 def _compile_scope(base: str, spec: KeySpec | None) -> Callable[[Message], str | None]:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .batching import Batcher
+from .claims import Claim, ClaimRequest, Fence
+from .conflicts import RUN_AS_HEADER, RUN_AS_SCOPE_HEADER
 from .errors import InvalidKey, InvalidPayload, KeyMissing, StoreError
+from .fingerprints import RAW, Fingerprint, claim_request
 from .keys import KeyFunc, derive_key
 from .message import Message
-from .store import Claim, ClaimRequest, ClaimStore, Fence
+from .store import ClaimStore
 from .transport import Reason
 from .values import check_claimable
 
@@ -64,6 +67,9 @@ class Conflict:
     """The key was first claimed with another payload: never run this one."""
 
     status: str
+    fingerprint: str | None = None  # the claim's scheme (None: raw)
+    payload_hash: bytes | None = None  # the claim's hash under it
+    payload: bytes | None = field(default=None, repr=False)  # the claim's kept payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +121,7 @@ def verdict_of(claim: Claim) -> Verdict | None:
     if claim.status is None:
         return None
     if claim.same_payload is False:
-        return Conflict(claim.status)
+        return Conflict(claim.status, claim.row_fingerprint, claim.row_hash, claim.row_payload)
     if claim.status == "failed" and not claim.dead_lettered and claim.row_token is not None:
         detail = (claim.error or "").split(": ", 1)[-1]
         return Unsent(
@@ -130,22 +136,36 @@ def verdict_of(claim: Claim) -> Verdict | None:
 
 
 def request_for(
-    message: Message, *, key_func: KeyFunc, scope_of: Callable[[Message], str | None]
+    message: Message,
+    *,
+    key_func: KeyFunc,
+    scope_of: Callable[[Message], str | None],
+    fingerprint: Fingerprint = RAW,
+    keep_payload: bool = False,
 ) -> ClaimRequest | Unclaimable:
-    """The claim a message asks for under a handler (its scope and key), or why it has none."""
+    """The claim a message asks for under a handler (its scope, key and payload's
+    fingerprint), or why it has none."""
     try:
         scope = scope_of(message)
         if not scope:
             raise KeyMissing("the message has no tenant where the handler's scope looks")
-        key = derive_key(key_func, message)
+        key = _run_as(message, scope) or derive_key(key_func, message)
         check_claimable(scope, key)
+        return claim_request(scope, key, message, fingerprint, keep_payload=keep_payload)
     except InvalidKey as exc:
         return Unclaimable(Reason.INVALID_KEY, str(exc))
     except KeyMissing as exc:
         return Unclaimable(Reason.MISSING_KEY, str(exc))
     except InvalidPayload as exc:
         return Unclaimable(Reason.INVALID_PAYLOAD, str(exc))
-    return ClaimRequest(scope, key, message.payload_hash)
+
+
+def _run_as(message: Message, scope: str) -> str | None:
+    """The key an operator gave this message's scope when settling a conflict, if any."""
+    headers = message.headers
+    if RUN_AS_SCOPE_HEADER in headers and headers[RUN_AS_SCOPE_HEADER] == scope:
+        return headers.get(RUN_AS_HEADER) or None
+    return None
 
 
 # -- claiming --------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import conflicts
 from .app import Handler
 from .claiming import (
     Conflict,
@@ -153,8 +154,18 @@ class Outcomes:
         raise AssertionError(f"a verdict to run, not to settle: {verdict!r}")
 
     def _conflict(self, ticket: Ticket, verdict: Conflict) -> Settlement:
-        request = ticket.request
+        request, handler = ticket.request, ticket.handler
         self.stats.conflicts += 1
+        # Both fingerprints and what differs, for the dead letter, the history and the record.
+        report = conflicts.report(
+            request,
+            ticket.message,
+            handler.fingerprint,
+            claimed_fingerprint=verdict.fingerprint,
+            claimed_hash=verdict.payload_hash,
+            claimed_payload=verdict.payload,
+            keep_payload=handler.keep_payload,
+        )
         logger.warning(
             "key conflict: %s/%s was used before with another payload",
             request.scope,
@@ -178,6 +189,7 @@ class Outcomes:
             ),
             scope=request.scope,
             key=request.key,
+            conflict=report,
         )
 
     async def completed(self, pending: Pending, hooks: Hooks) -> Settlement:

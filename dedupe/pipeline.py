@@ -230,7 +230,13 @@ class Processor:
         first_of: dict[tuple[str, str], int] = {}
         repeats: list[tuple[int, int, Ticket]] = []
         for i, message in enumerate(messages):
-            request = request_for(message, key_func=handler.key_func, scope_of=handler.scope_of)
+            request = request_for(
+                message,
+                key_func=handler.key_func,
+                scope_of=handler.scope_of,
+                fingerprint=handler.fingerprint,
+                keep_payload=handler.keep_payload,
+            )
             if isinstance(request, Unclaimable):
                 planned[i] = _Planned(_ready(dead_letter(request.reason, request.detail)))
                 continue

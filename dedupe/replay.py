@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .conflicts import CLAIMED_FINGERPRINT_HEADER, DIFF_HEADER, FINGERPRINT_HEADER
 from .message import Headers
 from .transport import (
     BODY_DROPPED_HEADER,
@@ -54,15 +55,21 @@ def claim_to_release(headers: Mapping[str, str]) -> tuple[str, str] | None:
 
 
 def describe(headers: Mapping[str, Any], *, message_id: str | None) -> dict[str, Any]:
-    """A dead letter as `dlq list` shows it: message id, reason, detail, scope and key."""
+    """A dead letter as `dlq list` shows it: message id, reason, detail, scope and key (and a
+    conflict's fingerprints and diff)."""
     info = headers if isinstance(headers, Headers) else Headers(headers)
-    return {
+    row: dict[str, Any] = {
         "message_id": message_id,
         "reason": info.get(REASON_HEADER, "?"),
         "detail": info.get(DETAIL_HEADER, ""),
         "scope": info.get(SCOPE_HEADER),
         "key": info.get(KEY_HEADER),
     }
+    if DIFF_HEADER in info:  # a key_conflict's: both fingerprints and what differs
+        row["fingerprint"] = info.get(FINGERPRINT_HEADER)
+        row["claimed_fingerprint"] = info.get(CLAIMED_FINGERPRINT_HEADER)
+        row["diff"] = info[DIFF_HEADER]
+    return row
 
 
 @dataclass(frozen=True, slots=True)

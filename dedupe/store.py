@@ -7,7 +7,6 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
@@ -18,6 +17,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
+from .claims import Claim, ClaimRequest, Fence
 from .database import (
     GC_LOCK_ID,
     MIGRATE_LOCK_ID,
@@ -40,46 +40,6 @@ T = TypeVar("T")
 
 class ValueRefused(StoreError):
     """PostgreSQL refused a value of the statement (not the connection, not the statement)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimRequest:
-    scope: str
-    key: str
-    payload_hash: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """The answer to one claim: ours (a token) or the state of the row in the way."""
-
-    scope: str
-    key: str
-    token: int | None
-    attempts: int
-    taken_over: bool = False  # re-claimed from a worker whose lease lapsed (it died)
-    handed_back: bool = False  # re-claimed after a worker handed it back at a graceful stop
-    status: str | None = None
-    same_payload: bool | None = None
-    lease_live: bool | None = None
-    result: str | None = None
-    error: str | None = None
-    dead_lettered: bool | None = None
-    row_token: int | None = None  # the token of the row in the way (not ours)
-    refused: str | None = None  # PostgreSQL refused this claim's values: why
-
-    @property
-    def owned(self) -> bool:
-        return self.token is not None
-
-
-@dataclass(frozen=True, slots=True)
-class Fence:
-    """A claim we hold: the token proves it at heartbeat and completion."""
-
-    scope: str
-    key: str
-    token: int
 
 
 class ClaimStore:
@@ -172,6 +132,9 @@ class ClaimStore:
                 float(lease_s),
                 float(retention_s),
                 request_id,
+                [r.fingerprint for r in batch],
+                [r.raw_hash for r in batch],
+                [r.payload for r in batch],
             )
 
         rows, refused = await self._each(requests, send)
@@ -379,6 +342,9 @@ def _claim_of(row: asyncpg.Record) -> Claim:
         error=row["error"],
         dead_lettered=row["dead_lettered"],
         row_token=row["row_token"],
+        row_fingerprint=row["row_fingerprint"],
+        row_hash=row["row_hash"],
+        row_payload=row["row_payload"],
     )
 
 

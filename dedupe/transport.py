@@ -9,6 +9,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .conflicts import CONFLICT_HEADERS, ConflictReport
 from .message import Message
 
 
@@ -48,6 +49,8 @@ class Settlement:
     # A dead letter of our own failed claim (not a conflict with someone else's): once the
     # transport has settled it, the claim records that its dead letter went out.
     failed_claim: bool = False
+    # A key_conflict's report: both fingerprints and the diff, on the dead letter's headers.
+    conflict: ConflictReport | None = None
 
 
 ACK = Settlement(Action.ACK)
@@ -58,7 +61,7 @@ REASON_HEADER = "x-dedupe-reason"
 DETAIL_HEADER = "x-dedupe-detail"
 SCOPE_HEADER = "x-dedupe-scope"
 KEY_HEADER = "x-dedupe-key"
-DEAD_LETTER_HEADERS = (REASON_HEADER, DETAIL_HEADER, SCOPE_HEADER, KEY_HEADER)
+DEAD_LETTER_HEADERS = (REASON_HEADER, DETAIL_HEADER, SCOPE_HEADER, KEY_HEADER, *CONFLICT_HEADERS)
 # On a dead letter written without its body (the broker refused the whole copy, e.g. too
 # large once our headers were added): why. Replay skips such a dead letter (dedupe.replay).
 BODY_DROPPED_HEADER = "x-dedupe-body-dropped"
@@ -78,6 +81,8 @@ def dead_letter_headers(settlement: Settlement) -> dict[str, str]:
     if settlement.scope is not None and settlement.key is not None:
         headers[SCOPE_HEADER] = settlement.scope
         headers[KEY_HEADER] = settlement.key
+    if settlement.conflict is not None:
+        headers.update(settlement.conflict.dead_letter_headers())
     return headers
 
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import InvalidPayload, KeyMissing
+from .fingerprints import RAW, Fingerprint
 from .keys import KeyFunc
 from .message import Headers, Message
 from .values import check_claimable
@@ -29,6 +30,9 @@ from .verifiers import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+# The forwarded message's header with the sender's idempotency key (the receiver sets it; a
+# conflict settled with a new key republishes the body with the new one).
+WEBHOOK_KEY_HEADER = "x-dedupe-webhook-key"
 # The forwarded message id must fit an AMQP short string (255 bytes) and a Kafka header.
 MAX_MESSAGE_ID_BYTES = 255
 # The Content-Type is forwarded as the AMQP content_type property, a short string (255 bytes
@@ -61,6 +65,8 @@ class WebhookSource:
     max_body_bytes: int
     lease_s: float
     retention_s: float
+    fingerprint: Fingerprint = RAW  # what "the same body" is for a key sent again
+    keep_payload: bool = False  # keep the first body with its claim, for conflicts
 
     @property
     def scope(self) -> str:
@@ -111,6 +117,7 @@ class WebhookSource:
 
 
 __all__ = [
+    "WEBHOOK_KEY_HEADER",
     "Identity",
     "VerificationFailed",
     "Verified",

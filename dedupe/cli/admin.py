@@ -1,13 +1,15 @@
-"""Operator commands: migrate, gc, claims list|show|release, dlq list|replay."""
+"""Operator commands: migrate, gc, claims list|show|release, conflicts list|settle,
+dlq list|replay."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any
 
-from ..operations import FINISHED, ClaimAdmin
+from ..operations import FINISHED, ClaimAdmin, NotSettled
 from ..plugins import TransportPlugin, transport_plugin
 from ..settings import Settings
 from ..store import ClaimStore, migrate
@@ -85,16 +87,92 @@ async def cmd_claims(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _print_claim(row: dict[str, Any]) -> None:
-    history = row.pop("history")
+    history, conflicts = row.pop("history"), row.pop("conflicts")
     width = max(len(name) for name in row)
     for name, value in row.items():
-        print(f"{name.ljust(width)}  {cell(value) if name != 'result' else value or '-'}")
+        shown = cell(value) if name not in ("result", "fingerprint") else value or "-"
+        print(f"{name.ljust(width)}  {shown}")
     print()
     if history:
         print("history:")
         print_rows(history, ["at", "event", "token", "owner", "attempts", "detail"])
     else:
         print("history: none (claimed once, no take-over, retry, failure or release)")
+    for conflict in conflicts:
+        print()
+        _print_conflict(conflict, f"{shlex.quote(row['scope'])} {shlex.quote(row['key'])}")
+
+
+def _print_conflict(conflict: dict[str, Any], claim: str) -> None:
+    """One conflict for people: both fingerprints, the paths that differ, how it stands."""
+    state = conflict["settled"] or "unsettled"
+    print(
+        f"conflict #{conflict['id']} at {cell(conflict['at'])}, {conflict['deliveries']} "
+        f"deliver{'y' if conflict['deliveries'] == 1 else 'ies'}, {state}:"
+    )
+    print(f"  this payload   {conflict['fingerprint']}")
+    print(f"  the claim's    {conflict['claimed_fingerprint']}")
+    diff = conflict["diff"]
+    if diff:
+        print(f"  differs at     {diff[0]}")
+        for change in diff[1:]:
+            print(f"                 {change}")
+        if conflict["more"]:
+            print(f"                 and {conflict['more']} more")
+    if conflict["note"]:
+        print(f"  note           {conflict['note']}")
+    print("  (values are never shown: + added, - removed, ~ changed, with their JSON types)")
+    kept = conflict["payload_bytes"]
+    if not conflict["settled"]:
+        how = "--discard" if kept is None else "--discard | --run-as NEW_KEY"
+        second = "not kept" if kept is None else f"{kept} bytes kept"
+        print(f"  second payload {second}; settle: dedupe-worker conflicts settle {claim} {how}")
+
+
+async def cmd_conflicts(args: argparse.Namespace, settings: Settings) -> int:
+    async with ClaimStore.open(settings.database_url, owner="admin") as store:
+        admin = ClaimAdmin(store)
+        if args.conflicts_command == "list":
+            rows = await admin.conflicts(scope=args.scope, settled=args.all, limit=args.limit)
+            if args.json:
+                print(json.dumps(rows, default=str, indent=2))
+            elif rows:
+                for row in rows:
+                    row["diff"] = "; ".join(row["diff"] or []) or row["note"]
+                print_rows(rows, ["id", "at", "scope", "key", "deliveries", "settled", "diff"])
+            else:
+                print("no conflicts" if args.all else "no unsettled conflicts")
+            return 0
+        what = f"run the second payload of {args.scope}/{args.key} as key {args.run_as!r}"
+        if args.discard:
+            what = f"discard the second payload of {args.scope}/{args.key}"
+        if not args.yes and not confirm(f"{what}?"):
+            print("nothing done")
+            return 1
+        try:
+            settled = await admin.settle_conflict(
+                args.scope,
+                args.key,
+                run_as=None if args.discard else args.run_as,
+                conflict_id=args.conflict_id,
+            )
+        except NotSettled as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+    if settled.message_id is None:
+        print(
+            f"discarded the second payload of {args.scope}/{args.key} (conflict "
+            f"#{settled.conflict_id}); its dead letter stays in {settled.channel}.dlq, where "
+            "a replay would only be refused again"
+        )
+    else:
+        print(
+            f"the second payload of {args.scope}/{args.key} (conflict #{settled.conflict_id}) "
+            f"goes to {settled.channel} as key {args.run_as}, message id {settled.message_id}: "
+            "a running worker's outbox relay publishes it within seconds; follow it with "
+            f"`dedupe-worker claims show {args.scope} {args.run_as}`"
+        )
+    return 0
 
 
 async def _purge(args: argparse.Namespace, admin: ClaimAdmin) -> int:

@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from .options import add_common, add_option, positive_float, positive_int
-from .parser_admin import add_claims, add_dlq, add_gc, add_migrate
+from .parser_admin import add_claims, add_conflicts, add_dlq, add_gc, add_migrate
 from .receive import cmd_receive
 from .run import cmd_run
 from .status import cmd_status
@@ -30,7 +30,8 @@ quick start:
   dedupe-worker dlq list payments
 
 Every option can also be set in the environment, except --help, --yes, claims purge
---older-than-s and the positional arguments; the command line wins. Each option's help
+--older-than-s, conflicts settle --discard, conflicts settle --run-as, conflicts settle --id
+and the positional arguments; the command line wins. Each option's help
 names its variable: --database is DEDUPE_DATABASE_URL, --concurrency is DEDUPE_CONCURRENCY,
 gc --batch-size is DEDUPE_GC_BATCH_SIZE, claims list --limit is DEDUPE_CLAIMS_LIST_LIMIT.
 docs/configuration.md lists them all.
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_migrate(sub)
     add_gc(sub)
     add_claims(sub)
+    add_conflicts(sub)
     _add_status(sub)
     add_dlq(sub)
     return parser

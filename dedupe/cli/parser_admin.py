@@ -1,11 +1,12 @@
-"""The operator commands' options and help: migrate, gc, claims list|show|release|purge, dlq."""
+"""The operator commands' options and help: migrate, gc, claims list|show|release|purge,
+conflicts list|settle, dlq."""
 
 from __future__ import annotations
 
 import argparse
 from typing import TYPE_CHECKING, TypeAlias
 
-from .admin import cmd_claims, cmd_dlq, cmd_gc, cmd_migrate
+from .admin import cmd_claims, cmd_conflicts, cmd_dlq, cmd_gc, cmd_migrate
 from .options import add_common, add_option
 
 EXIT_STATUS = (
@@ -98,9 +99,10 @@ def add_claims(sub: Commands) -> None:
 
     c_show = actions.add_parser(
         "show",
-        help="show one claim with its history",
-        description="Show one claim (status, attempts, owner, outcome, trace id) with its "
-        "history of take-overs, retries, failures and releases, as JSON.",
+        help="show one claim with its history and conflicts",
+        description="Show one claim (status, attempts, owner, outcome, trace id, fingerprint) "
+        "with its history of take-overs, retries, failures and releases and its conflicts "
+        "(both fingerprints and the paths that differ), as JSON.",
         epilog=EXIT_STATUS,
     )
     c_show.add_argument("scope", help=SCOPE_HELP)
@@ -159,6 +161,69 @@ def add_claims(sub: Commands) -> None:
     for p in (c_list, c_show, c_release, c_purge):
         add_common(p, broker=False)
     claims.set_defaults(handler=cmd_claims)
+
+
+def add_conflicts(sub: Commands) -> None:
+    conflicts = sub.add_parser(
+        "conflicts",
+        help="list key conflicts and settle them (discard, or run under a new key)",
+        description="A message whose key was first used with another payload is never run: "
+        "it is dead-lettered as key_conflict and recorded with both fingerprints and the paths "
+        "that differ (values are never shown). Handlers and webhook sources with "
+        "keep_payload=True keep both payloads, so that a conflict can be settled here: its "
+        "second payload discarded, or run under a new key.",
+    )
+    actions = conflicts.add_subparsers(dest="conflicts_command", metavar="ACTION", required=True)
+    x_list = actions.add_parser(
+        "list",
+        help="list unsettled conflicts, newest first",
+        description="List recorded conflicts, newest first, with both fingerprints and what "
+        "differs; settled ones too with --all.",
+        epilog=EXIT_STATUS,
+    )
+    add_option(
+        x_list,
+        "--scope",
+        "--handler",
+        metavar="SCOPE",
+        shown="all scopes",
+        help="only this handler's (or webhook source's) scope, its tenants included",
+    )
+    add_option(x_list, "--all", action="store_true", default=False, help="settled conflicts too")
+    add_option(x_list, "--limit", type=int, default=50, metavar="N", help="list at most this many")
+    add_option(x_list, "--json", action="store_true", default=False, help="print JSON")
+    x_settle = actions.add_parser(
+        "settle",
+        help="discard a conflict's second payload, or run it under a new key",
+        description="Settle a conflict of SCOPE/KEY. --discard drops the second payload. "
+        "--run-as NEW_KEY publishes it again, through the transactional outbox that every "
+        "running worker relays (on either broker), with NEW_KEY as its key for this scope "
+        "alone: the handler runs it once, the channel's other handlers see the duplicate it "
+        "is for them. Needs the payload kept (keep_payload=True). Behind the webhook receiver "
+        "the copy goes to the source's channel as the request would have with NEW_KEY. The "
+        "first payload's claim is left as it is. Asks first unless --yes.",
+        epilog=EXIT_STATUS,
+    )
+    x_settle.add_argument("scope", help=SCOPE_HELP)
+    x_settle.add_argument("key", help=KEY_HELP)
+    how = x_settle.add_mutually_exclusive_group(required=True)
+    how.add_argument("--discard", action="store_true", help="drop the second payload")
+    how.add_argument(
+        "--run-as",
+        metavar="NEW_KEY",
+        help="run the second payload under this new key (one not claimed yet)",
+    )
+    x_settle.add_argument(
+        "--id",
+        type=int,
+        dest="conflict_id",
+        metavar="N",
+        help="the conflict to settle when the key has several (`conflicts list` shows ids)",
+    )
+    x_settle.add_argument("--yes", action="store_true", help=YES_HELP)
+    for p in (x_list, x_settle):
+        add_common(p, broker=False)
+    conflicts.set_defaults(handler=cmd_conflicts)
 
 
 def add_dlq(sub: Commands) -> None:

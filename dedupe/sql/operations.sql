@@ -87,8 +87,64 @@ SELECT c.scope, c.key, c.trace_id
  WHERE c.trace_id IS NOT NULL;
 
 -- name: show_claim
-SELECT scope, key, encode(payload_hash, 'hex') AS payload_hash, status, retryable, token, owner,
+SELECT scope, key, coalesce(fingerprint, 'raw') AS fingerprint,
+       encode(payload_hash, 'hex') AS payload_hash, encode(raw_hash, 'hex') AS raw_hash,
+       octet_length(payload) AS payload_bytes, status, retryable, token, owner,
        attempts, lease_until, result::text AS result, error, created_at, claimed_at, updated_at,
        expires_at, lease_until > now() AS lease_live, dead_lettered_at, trace_id
   FROM dedupe_claims
  WHERE scope = $1 AND key = $2;
+
+-- name: add_conflicts
+-- Conflicts recorded by workers and receivers (dedupe/activity.py), only while their claim
+-- exists (a record without it would never be cleaned up); a message refused again counts.
+INSERT INTO dedupe_conflicts AS x
+    (scope, key, payload_hash, fingerprint, claimed_fingerprint, diff, diff_more, note, channel,
+     message_id, headers, content_type, payload, source, deliveries)
+SELECT i.scope, i.key, i.payload_hash, i.fingerprint, i.claimed, i.diff::jsonb, i.more, i.note,
+       i.channel, i.message_id, i.headers::jsonb, i.content_type, i.payload, i.source,
+       i.deliveries
+  FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[],
+              $7::int[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
+              $13::bytea[], $14::text[], $15::int[])
+       AS i(scope, key, payload_hash, fingerprint, claimed, diff, more, note, channel,
+            message_id, headers, content_type, payload, source, deliveries)
+ WHERE EXISTS (SELECT 1 FROM dedupe_claims c WHERE c.scope = i.scope AND c.key = i.key)
+    ON CONFLICT (scope, key, payload_hash) DO UPDATE
+   SET deliveries = x.deliveries + EXCLUDED.deliveries, last_at = now();
+
+-- name: conflicts_of
+SELECT id, at, last_at, deliveries, fingerprint, claimed_fingerprint, diff::text AS diff,
+       diff_more AS more, note, channel, message_id, source,
+       octet_length(payload) AS payload_bytes, settled_at, settled
+  FROM dedupe_conflicts
+ WHERE scope = $1 AND key = $2
+ ORDER BY at, id;
+
+-- name: list_conflicts
+-- Newest first; $3: settled ones too. The scope filter is a scope and its tenants.
+SELECT id, at, scope, key, deliveries, fingerprint, claimed_fingerprint, diff::text AS diff,
+       diff_more AS more, note, source, octet_length(payload) AS payload_bytes, settled_at,
+       settled
+  FROM dedupe_conflicts
+ WHERE ($1::text IS NULL OR scope = $1 OR starts_with(scope, $1 || '/'))
+   AND ($3 OR settled_at IS NULL)
+ ORDER BY at DESC, id DESC
+ LIMIT $2;
+
+-- name: conflicts_to_settle
+-- The unsettled conflicts of a key ($3: one of them), locked until the settling commits, so
+-- two operators cannot settle one conflict twice.
+SELECT id, fingerprint, channel, message_id, headers::text AS headers, content_type, payload,
+       source
+  FROM dedupe_conflicts
+ WHERE scope = $1 AND key = $2 AND settled_at IS NULL AND ($3::bigint IS NULL OR id = $3)
+ ORDER BY id
+   FOR UPDATE;
+
+-- name: settle_conflict
+-- Settled: the second payload is dropped (discarded, or handed to the outbox to run).
+UPDATE dedupe_conflicts SET settled_at = now(), settled = $2, payload = NULL WHERE id = $1;
+
+-- name: claim_status
+SELECT status FROM dedupe_claims WHERE scope = $1 AND key = $2;

@@ -12,14 +12,25 @@
 -- started when its worker died is not charged for the crash.
 -- $7 identifies this statement: sent again after a lost reply, it finds the claims it made the
 -- first time (in progress, ours, with its id) and answers with their tokens.
+-- The same payload (dedupe/fingerprints.py): $3 is each payload's hash under its handler's
+-- scheme $8 (NULL: raw), $9 the hash of its bytes under any other scheme. A row stored under
+-- the same scheme is compared by that hash; one stored raw (every claim before the handler
+-- chose another scheme) by the bytes' hash, so a byte-identical copy is never a conflict; one
+-- stored under another scheme that is not raw (a json with other excluded paths, a function)
+-- cannot be compared here and counts as the same payload: the operator changed what "the same"
+-- means, and honest retries must not be dead-lettered for it. A take-over stores the new
+-- scheme. $10: the payloads kept with new claims (keep_payload), NULL for the others.
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[]) AS i(scope, key, payload_hash)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $8::text[], $9::bytea[],
+                         $10::bytea[])
+        AS i(scope, key, payload_hash, fingerprint, raw_hash, payload)
 ),
 claimed AS (
     INSERT INTO dedupe_claims AS c
-        (scope, key, payload_hash, status, token, owner, attempts, lease_until, expires_at,
-         claim_request_id)
-    SELECT scope, key, payload_hash, 'in_progress', nextval('dedupe_claim_tokens'), $4, 1,
+        (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
+         attempts, lease_until, expires_at, claim_request_id)
+    SELECT scope, key, payload_hash, fingerprint, raw_hash, payload, 'in_progress',
+           nextval('dedupe_claim_tokens'), $4, 1,
            now() + make_interval(secs => $5), now() + make_interval(secs => $6), $7::bigint
     FROM input
     ORDER BY scope, key
@@ -27,8 +38,14 @@ claimed AS (
         SET token = nextval('dedupe_claim_tokens'), owner = EXCLUDED.owner,
             status = 'in_progress', retryable = false, lease_until = EXCLUDED.lease_until,
             error = NULL, updated_at = now(), claimed_at = now(),
-            expires_at = EXCLUDED.expires_at, claim_request_id = EXCLUDED.claim_request_id
-        WHERE c.payload_hash = EXCLUDED.payload_hash
+            expires_at = EXCLUDED.expires_at, claim_request_id = EXCLUDED.claim_request_id,
+            fingerprint = EXCLUDED.fingerprint, payload_hash = EXCLUDED.payload_hash,
+            raw_hash = EXCLUDED.raw_hash, payload = EXCLUDED.payload
+        WHERE CASE WHEN c.fingerprint IS NOT DISTINCT FROM EXCLUDED.fingerprint
+                       THEN c.payload_hash = EXCLUDED.payload_hash
+                   WHEN c.fingerprint IS NULL
+                       THEN c.payload_hash = coalesce(EXCLUDED.raw_hash, EXCLUDED.payload_hash)
+                   ELSE true END
           AND ((c.status = 'in_progress' AND c.lease_until < now())
                OR (c.status = 'failed' AND c.retryable))
     -- xmax is 0 on a row this statement inserted, our transaction's id on one it updated.
@@ -38,7 +55,7 @@ SELECT i.scope, i.key,
        coalesce(cl.token, CASE WHEN e.claim_request_id = $7::bigint AND e.owner = $4
                                     AND e.status = 'in_progress' THEN e.token END) AS token,
        cl.attempts, cl.inserted,
-       e.status, e.payload_hash = i.payload_hash AS same_payload, e.token AS row_token,
+       e.status, s.same AS same_payload, e.token AS row_token,
        e.lease_until > now() AS lease_live, e.result::text AS result, e.error,
        e.attempts AS existing_attempts, e.dead_lettered_at IS NOT NULL AS dead_lettered,
        -- A re-claim of a key its worker handed back at a graceful stop (give_back), not of
@@ -47,10 +64,22 @@ SELECT i.scope, i.key,
        CASE WHEN NOT cl.inserted THEN
            (SELECT b.status = 'in_progress' AND b.error IS NOT DISTINCT FROM 'handed back'
               FROM dedupe_claims b WHERE b.scope = i.scope AND b.key = i.key)
-       END AS handed_back
+       END AS handed_back,
+       -- A conflict's other side: the claim's scheme (NULL: raw), hash and kept payload.
+       CASE WHEN NOT s.same THEN e.fingerprint END AS row_fingerprint,
+       CASE WHEN NOT s.same THEN e.payload_hash END AS row_hash,
+       CASE WHEN NOT s.same THEN e.payload END AS row_payload
 FROM input i
 LEFT JOIN claimed cl ON cl.scope = i.scope AND cl.key = i.key
-LEFT JOIN dedupe_claims e ON cl.token IS NULL AND e.scope = i.scope AND e.key = i.key;
+LEFT JOIN dedupe_claims e ON cl.token IS NULL AND e.scope = i.scope AND e.key = i.key
+-- The comparison of the ON CONFLICT clause above, for the row in the way.
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN e.fingerprint IS NOT DISTINCT FROM i.fingerprint
+                    THEN e.payload_hash = i.payload_hash
+                WHEN e.fingerprint IS NULL
+                    THEN e.payload_hash = coalesce(i.raw_hash, i.payload_hash)
+                ELSE true END AS same
+) s;
 
 -- name: heartbeat
 -- Extend the leases we still hold; the rows that come back are the ones still ours.

@@ -121,3 +121,57 @@ def test_app_names_are_checked() -> None:
     """The app name prefixes scopes, so it must be a plain identifier."""
     with pytest.raises(ConfigurationError):
         App("my app!")
+
+
+def test_handlers_and_webhook_sources_take_a_fingerprint_and_keep_payload() -> None:
+    """fingerprint=, fingerprint_exclude= and keep_payload= (defaults: raw, none, False)."""
+    from dedupe.fingerprints import RAW
+    from dedupe.webhooks import api_key
+
+    app = App("shop")
+
+    @app.handler("orders", fingerprint="json", fingerprint_exclude=("sent_at",), keep_payload=True)
+    async def create(order: Order) -> None: ...
+
+    @app.handler("orders")
+    async def audit(order: Order) -> None: ...
+
+    assert app.handlers["create"].fingerprint.stored == 'json exclude=["sent_at"]'
+    assert app.handlers["create"].keep_payload is True
+    assert (app.handlers["audit"].fingerprint, app.handlers["audit"].keep_payload) == (RAW, False)
+    source = app.webhook(
+        "orders-api",
+        verify=api_key({"k": "tenant-a"}),
+        key="header:Idempotency-Key",
+        channel="orders",
+        fingerprint="json",
+        keep_payload=True,
+    )
+    assert (source.fingerprint.stored, source.keep_payload) == ("json", True)
+    plain = app.webhook("plain", verify=api_key({"k": "t"}), channel="orders")
+    assert (plain.fingerprint, plain.keep_payload) == (RAW, False)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"fingerprint": "xml"}, r"handler 'create': fingerprint='xml': use 'raw'"),
+        ({"fingerprint_exclude": ("sent_at",)}, "needs fingerprint='json'"),
+        ({"fingerprint": "json", "fingerprint_exclude": ("a..b",)}, "empty segment"),
+        ({"keep_payload": "yes"}, "keep_payload must be True or False"),
+    ],
+)
+def test_a_bad_fingerprint_option_is_refused_at_registration(
+    options: dict[str, object], match: str
+) -> None:
+    """On a handler and on a webhook source alike, naming which one."""
+    from dedupe.webhooks import api_key
+
+    app = App("shop")
+    with pytest.raises(ConfigurationError, match=match):
+
+        @app.handler("orders", **options)  # type: ignore[arg-type]
+        async def create(order: Order) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=match.replace("handler 'create'", "'hook'")):
+        app.webhook("hook", verify=api_key({"k": "t"}), channel="orders", **options)  # type: ignore[arg-type]
