@@ -10,10 +10,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import pydantic
-
 from .context import Context
-from .errors import ConfigurationError, InvalidPayload
+from .decoding import Decoder, decoder_for
+from .errors import ConfigurationError
 from .fingerprints import RAW, Fingerprint, FingerprintSpec, compile_fingerprint
 from .keys import KeyFunc, KeySpec, compile_key
 from .message import Message
@@ -22,7 +21,6 @@ from .webhooks import DEFAULT_MAX_BODY_BYTES, Verifier, WebhookSource
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-Decoder = Callable[[Message], Any]
 Hook = Callable[[str, Message, str, str], Awaitable[None]]
 H = TypeVar("H", bound=Hook)
 STAGES = ("claimed", "handled", "completed")
@@ -31,37 +29,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,199}$")
 # A webhook source is a URL path segment and the first part of every forwarded message id.
 _SOURCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 DAY_S = 86_400.0
-
-
-def _decoder_for(annotation: Any, where: str) -> Decoder:
-    if annotation is Message:
-        return lambda message: message
-    if annotation is bytes:
-        return lambda message: message.body
-    if annotation is inspect.Parameter.empty:
-        raise ConfigurationError(
-            f"{where}: annotate the first parameter (a pydantic model, bytes, dict, "
-            "or dedupe.Message) so the worker knows how to decode the body"
-        )
-    try:
-        adapter: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(annotation)
-    except (pydantic.PydanticSchemaGenerationError, TypeError) as exc:
-        raise ConfigurationError(f"{where}: cannot decode into {annotation!r}: {exc}") from exc
-
-    def decode(message: Message) -> Any:
-        try:
-            return adapter.validate_json(message.body)
-        except pydantic.ValidationError as exc:
-            kinds = sorted({err["type"] for err in exc.errors()})
-            if "json_invalid" in kinds:
-                raise InvalidPayload("body is not valid JSON") from exc
-            fields = sorted({".".join(map(str, err["loc"])) or "<root>" for err in exc.errors()})
-            raise InvalidPayload(
-                f"body does not match {getattr(annotation, '__name__', annotation)}: "
-                f"{', '.join(kinds)} at {', '.join(fields)}"
-            ) from exc
-
-    return decode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -225,7 +192,7 @@ class App:
                 hints = typing.get_type_hints(fn)
             except Exception as exc:
                 raise ConfigurationError(f"{where}: cannot resolve annotations: {exc}") from exc
-            decode = _decoder_for(hints.get(params[0].name, inspect.Parameter.empty), where)
+            decode = decoder_for(hints.get(params[0].name, inspect.Parameter.empty), where)
             if not isinstance(group_commit, bool):
                 raise ConfigurationError(f"{where}: group_commit must be True or False")
             if group_commit and len(params) != 2:

@@ -6,14 +6,26 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import asyncpg
 
 from .message import Message
 
-if TYPE_CHECKING:
-    from .effects import RunEffects
+
+class Effects(Protocol):
+    """What a run can do beyond its return value (dedupe.effects.RunEffects)."""
+
+    async def publish(
+        self,
+        channel: str,
+        body: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> str: ...
+
+    async def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
 
 class Database:
@@ -113,7 +125,7 @@ class Context:
     message: Message
     db: Database
     logger: logging.LoggerAdapter[logging.Logger] = field(repr=False)
-    effects: RunEffects | None = field(default=None, repr=False)
+    effects: Effects | None = field(default=None, repr=False)
 
     async def publish(
         self,
@@ -150,7 +162,7 @@ class Context:
         """
         return await self._effects().step(name, fn, *args, **kwargs)
 
-    def _effects(self) -> RunEffects:
+    def _effects(self) -> Effects:
         if self.effects is None:
             raise RuntimeError("ctx.publish and ctx.step need the worker's run (not a test stub)")
         return self.effects

@@ -22,6 +22,7 @@ from .context import Context, Database
 from .database import TRANSIENT_ERRORS
 from .effects import RunEffects
 from .errors import DedupeError, InvalidPayload, LeaseLost, Reject, Retry, StoreError
+from .failures import describe, transient
 from .groups import Lanes, Member, group_commit_lanes
 from .hooks import Hooks
 from .leases import Lease, Leases
@@ -40,7 +41,7 @@ from .outcomes import (
 )
 from .store import ClaimStore, Fence
 from .transport import Action, Reason, Settlement
-from .values import encode_result, storable_text
+from .values import encode_result
 
 logger = logging.getLogger("dedupe.pipeline")
 
@@ -136,7 +137,7 @@ class Runner:
                     result = await self._attempt(ticket, payload, lease)
                     break
                 except Exception as exc:
-                    if not _transient(handler, exc) or lease.attempt >= handler.max_attempts:
+                    if not transient(handler, exc) or lease.attempt >= handler.max_attempts:
                         raise
                     await self._before_retry(handler, message, lease, number, exc)
         except LeaseLost:
@@ -150,7 +151,7 @@ class Runner:
         except Reject as exc:
             return await self._give_up(handler, fence, Reason.REJECTED, exc.reason)
         except Exception as exc:
-            if _transient(handler, exc):
+            if transient(handler, exc):
                 detail = f"{lease.attempt} attempts, last: {describe(exc)}"
                 return await self._give_up(handler, fence, Reason.MAX_ATTEMPTS, detail)
             return await self._give_up(handler, fence, Reason.HANDLER_ERROR, describe(exc))
@@ -361,16 +362,6 @@ def _lose(lease: Lease) -> None:
     lease.lost = True
 
 
-def describe(exc: BaseException | None) -> str:
-    """An error as one storable line: its class and (the start of) its message."""
-    if exc is None:
-        return "unknown error"
-    if isinstance(exc, TimeoutError):
-        return "TimeoutError: handler timed out"
-    text = storable_text(str(exc), 300)
-    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
-
-
 @functools.cache
 def _handler_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"dedupe.handler.{name}")
@@ -390,11 +381,4 @@ def _log(handler: Handler, message: Message, lease: Lease) -> logging.LoggerAdap
     )
 
 
-def _transient(handler: Handler, exc: BaseException) -> bool:
-    """Whether the handler's error is worth another attempt."""
-    if isinstance(exc, Retry):
-        return True
-    return isinstance(exc, handler.retry_on) and not isinstance(exc, DedupeError)
-
-
-__all__ = ["Runner", "describe"]
+__all__ = ["Runner"]
