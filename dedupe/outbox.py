@@ -58,6 +58,8 @@ async def add(conn: asyncpg.Connection, rows: Sequence[Outgoing], *, retention_s
 
 @dataclass
 class RelayStats:
+    """What one relay did: rows sent with the broker's confirm, publishes the broker refused."""
+
     sent: int = 0
     refused: int = 0
 
@@ -179,14 +181,24 @@ class Relay:
         return sent, refused
 
 
-async def backlog(pool: asyncpg.Pool) -> dict[str, Any]:
-    """Unsent rows, the age of the oldest (relay lag) and how many were refused at least once."""
+async def backlog(pool: asyncpg.Pool | asyncpg.Connection) -> dict[str, Any]:
+    """Unsent rows (`unsent`), the age of the oldest (`oldest_unsent_s`: the relay's lag) and
+    how many of them the broker refused at least once (`refused`)."""
     try:
         row = await pool.fetchrow(queries("outbox.sql")["backlog"])
     except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
         raise StoreError(f"reading the outbox failed: {exc}") from exc
     assert row is not None
     return dict(row)
+
+
+async def backlog_by_channel(pool: asyncpg.Pool, *, limit: int = 20) -> list[dict[str, Any]]:
+    """The backlog per destination channel, the most lagging first, with its latest error."""
+    try:
+        rows = await pool.fetch(queries("outbox.sql")["backlog_by_channel"], limit)
+    except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
+        raise StoreError(f"reading the outbox failed: {exc}") from exc
+    return [dict(row) for row in rows]
 
 
 async def gc(pool: asyncpg.Pool, *, batch_size: int = 1000, max_batches: int = 100) -> int:
@@ -204,4 +216,4 @@ async def gc(pool: asyncpg.Pool, *, batch_size: int = 1000, max_batches: int = 1
     return deleted
 
 
-__all__ = ["Outgoing", "Relay", "RelayStats", "add", "backlog", "gc"]
+__all__ = ["Outgoing", "Relay", "RelayStats", "add", "backlog", "backlog_by_channel", "gc"]

@@ -46,10 +46,24 @@ UPDATE dedupe_outbox
  WHERE id = $1;
 
 -- name: backlog
+-- Operators' view (metrics, status): unsent rows, the oldest one's age (the relay's lag) and
+-- those the broker refused at least once; over the partial index of unsent rows only.
 SELECT count(*)::bigint AS unsent,
-       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_s,
+       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_unsent_s,
        count(*) FILTER (WHERE attempts > 0)::bigint AS refused
   FROM dedupe_outbox WHERE sent_at IS NULL;
+
+-- name: backlog_by_channel
+-- The same per destination, the most lagging first, with the latest refusal's error.
+SELECT channel, count(*)::bigint AS unsent,
+       extract(epoch FROM now() - min(created_at))::float8 AS oldest_unsent_s,
+       count(*) FILTER (WHERE attempts > 0)::bigint AS refused,
+       (array_agg(last_error ORDER BY id DESC) FILTER (WHERE last_error IS NOT NULL))[1]
+           AS last_error
+  FROM dedupe_outbox WHERE sent_at IS NULL
+ GROUP BY channel
+ ORDER BY min(created_at)
+ LIMIT $1;
 
 -- name: gc
 DELETE FROM dedupe_outbox
