@@ -1,4 +1,5 @@
-"""Key-level operations for operators: history, stuck keys, recent trouble, purge, overview."""
+"""Key-level operations for operators: history, stuck keys, recent trouble, purge, overview,
+and the outbox's backlog."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import asyncpg
 
+from . import outbox
 from .errors import StoreError
 from .sql import queries
 from .store import TRANSIENT_ERRORS, ClaimStore
@@ -54,6 +56,17 @@ class ClaimAdmin:
     async def overview(self) -> list[dict[str, Any]]:
         """Per handler: claims by status, duplicates suppressed, conflicts seen."""
         return await self._fetch("overview")
+
+    async def outbox(self, *, limit: int = 20) -> dict[str, Any]:
+        """The outbox's unsent rows, the oldest one's age (the relay's lag) and the ones the
+        broker refused, in all and per channel (`channels`, the most lagging first)."""
+        backlog = await outbox.backlog(self.store.pool)
+        backlog["channels"] = (
+            await outbox.backlog_by_channel(self.store.pool, limit=limit)
+            if backlog["unsent"]
+            else []
+        )
+        return backlog
 
     async def purge(
         self,
