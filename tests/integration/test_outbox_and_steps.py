@@ -169,6 +169,35 @@ async def test_a_refused_publish_is_retried_counted_and_never_dropped(
     assert await orders.fetchval("SELECT attempts FROM dedupe_outbox") == 2
 
 
+@pytest.mark.parametrize(
+    ("what", "publish"),
+    [
+        ("a NUL in the key", {"key": "a\x00b"}),
+        ("a lone surrogate in the channel", {"channel": "emails\ud800"}),
+        ("a NUL in a header", {"headers": {"x-note": "a\x00b"}}),
+    ],
+)
+async def test_a_publish_the_outbox_cannot_store_is_an_error_at_the_call(
+    store: ClaimStore, orders: asyncpg.Connection, what: str, publish: dict[str, Any]
+) -> None:
+    """A channel, key or header PostgreSQL cannot hold fails the attempt with a clear error
+    (dead-lettered after its attempts), never a completion that fails again at each delivery."""
+    app = App("shop")
+
+    @app.handler(CH, max_attempts=2, backoff_s=0.01, max_backoff_s=0.01)
+    async def notify(payload: Order, ctx: Context) -> None:
+        options = dict(publish)
+        await ctx.publish(options.pop("channel", "emails"), {"n": 1}, **options)
+
+    async with Processor(app, store, publisher=Recording()) as processor:
+        delivery = order("o-bad")
+        await processor.process(CH, [delivery])
+    outcome = delivery.settlements[-1]
+    assert outcome.action is Action.DEAD_LETTER, (what, outcome)
+    assert "ctx.publish" in (outcome.detail or "")
+    assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox") == 0
+
+
 def real_publisher(broker: Broker) -> Publisher:
     url = getattr(broker, "url")  # noqa: B009
     return KafkaPublisher(url) if broker.name == "kafka" else RabbitMQPublisher(url)
