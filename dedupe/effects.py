@@ -90,7 +90,6 @@ class RunEffects:
                 _NAMESPACE, "\x1f".join((self.fence.scope, self.fence.key, channel, str(position)))
             )
         )
-        await self.db.connection()  # the completion now commits in ctx.db's transaction
         self.outgoing.append(
             Outgoing(
                 producer=f"{self.fence.scope}\x1f{self.fence.key}",

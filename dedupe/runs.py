@@ -72,6 +72,8 @@ class Runner:
         self._slots = asyncio.Semaphore(concurrency)
         self._isolation = asyncio.Lock()
         self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
+        # Runs whose only writes are publishes: completed with their outbox rows, a batch at once.
+        self._publishing = outbox.PublishingCompletions(store, on_committed=self._published)
 
     async def run(self, ticket: Ticket, ours: Ours) -> Outcome:
         """Run the handler on a claim of ours, in the calling (runner's) task."""
@@ -237,6 +239,11 @@ class Runner:
                     raise LeaseLost()
                 if outgoing and self.on_published is not None:
                     self.on_published()
+            elif effects is not None and effects.outgoing:
+                queued = self._publishing.submit_nowait(
+                    (fence, result, handler.retention_s, effects.outgoing)
+                )
+                return Pending(ticket, fence, result, queued)
             else:
                 queued = self._completer.submit_nowait((fence, result, handler.retention_s))
                 return Pending(ticket, fence, result, queued)
@@ -294,6 +301,10 @@ class Runner:
                 f"started {attempt - 1} times without finishing (max_attempts="
                 f"{handler.max_attempts}): its workers died or lost the database"
             )
+
+    def _published(self) -> None:
+        if self.on_published is not None:
+            self.on_published()
 
     async def _complete_batch(self, items: Sequence[tuple[Fence, str, float]]) -> list[bool]:
         done = await self.store.complete(items)

@@ -169,6 +169,31 @@ async def test_a_refused_publish_is_retried_counted_and_never_dropped(
     assert await orders.fetchval("SELECT attempts FROM dedupe_outbox") == 2
 
 
+async def test_runs_that_only_publish_share_their_completion_transactions(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """A run whose only write is a publish costs no transaction of its own: the batch's
+    completions and their outbox rows commit together (the rows of one transaction share
+    its now()), and every row is relayed."""
+    app = App("shop")
+
+    @app.handler(CH)
+    async def notify(payload: Order, ctx: Context) -> None:
+        await ctx.publish("emails", {"order": ctx.key})
+
+    publisher = Recording()
+    async with Processor(app, store, publisher=publisher) as processor:
+        await processor.process(CH, [order(f"o-{i}", i) for i in range(50)])
+
+        async def relayed() -> bool:
+            return len(publisher.sent) == 50
+
+        await eventually(relayed, timeout_s=10)
+    transactions = await orders.fetchval("SELECT count(DISTINCT created_at) FROM dedupe_outbox")
+    assert transactions <= 10, f"{transactions} transactions for 50 runs"
+    assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox") == 50
+
+
 @pytest.mark.parametrize(
     ("what", "publish"),
     [
