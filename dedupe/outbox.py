@@ -85,10 +85,14 @@ class PublishingCompletions:
         try:
             async with self.store.pool.acquire() as conn, conn.transaction():
                 done = await self.store.complete([(f, r, t) for f, r, t, _ in items], conn=conn)
+                # One statement per retention (a handler's option: usually one in all).
+                by_retention: dict[float, list[Outgoing]] = {}
                 for fence, _, retention_s, rows in items:
-                    if (fence.scope, fence.key) in done and rows:
-                        await add(conn, rows, retention_s=retention_s)
-                        stored = True
+                    if (fence.scope, fence.key) in done:
+                        by_retention.setdefault(retention_s, []).extend(rows)
+                for retention_s, rows in by_retention.items():
+                    await add(conn, rows, retention_s=retention_s)
+                    stored = stored or bool(rows)
         except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
             raise StoreError(
                 f"completing runs with their publishes failed: {exc.__class__.__name__}: {exc}"
@@ -119,7 +123,7 @@ class Relay:
         *,
         interval_s: float = 0.5,
         batch: int = 200,
-        concurrency: int = 16,
+        concurrency: int = 64,
     ) -> None:
         self.pool = pool
         self.publisher = publisher
