@@ -15,6 +15,8 @@ SELECT producer, channel, message_id, body, headers::jsonb, content_type,
 -- in id order, due now, locked until the relay commits that they were sent.
 -- A producer is a candidate when one of its rows is due; the relay stops at a producer's first
 -- row not due (a refused one waiting out its backoff), so its later rows never overtake it.
+-- The producers' rows are looked up by dedupe_outbox_producer_unsent_idx: a round costs its
+-- batch, not the backlog.
 WITH candidates AS (
     SELECT producer, min(id) AS first
       FROM (SELECT id, producer FROM dedupe_outbox

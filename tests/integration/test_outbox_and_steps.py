@@ -19,6 +19,7 @@ from consumers.rabbitmq import RabbitMQPublisher
 from dedupe import App, Context
 from dedupe.effects import _NAMESPACE, StepError
 from dedupe.pipeline import Processor
+from dedupe.sql import queries
 from dedupe.store import ClaimRequest, ClaimStore
 from dedupe.transport import Action, Publisher, Reason
 from tests.conftest import delete_channel_everywhere, eventually, running
@@ -221,6 +222,26 @@ async def test_a_publish_the_outbox_cannot_store_is_an_error_at_the_call(
     assert outcome.action is Action.DEAD_LETTER, (what, outcome)
     assert "ctx.publish" in (outcome.detail or "")
     assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox") == 0
+
+
+async def test_the_relays_take_costs_its_batch_not_the_backlog(
+    orders: asyncpg.Connection,
+) -> None:
+    """Draining a large backlog, every round of the relay looks up the rows of the producers
+    it took by index: it never scans the backlog (nor the sent rows kept for days), so a
+    backlog drains in time proportional to its size."""
+    await orders.execute(
+        "INSERT INTO dedupe_outbox (producer, channel, message_id, body, sent_at, expires_at)"
+        " SELECT 'p' || g, 'emails', 'm' || g, 'x', CASE WHEN g % 4 = 0 THEN now() END,"
+        "        now() + interval '1 day'"
+        "   FROM generate_series(1, 40000) AS g"
+    )
+    await orders.execute("ANALYZE dedupe_outbox")
+    async with orders.transaction():
+        plan = await orders.fetch("EXPLAIN " + queries("outbox.sql")["take"], 200)
+    text = "\n".join(row[0] for row in plan)
+    assert "Seq Scan on dedupe_outbox" not in text, text
+    assert "Index Cond: (producer = " in text, text
 
 
 def real_publisher(broker: Broker) -> Publisher:
