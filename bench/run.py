@@ -583,7 +583,8 @@ async def main(args: argparse.Namespace) -> None:
         if "outbox" in only:
             print("a publish through the outbox against a direct publish", flush=True)
             await outbox(args.n, report, args.uvloop)
-        path = RESULTS / "latest.json"
+        # The outbox scenario alone keeps its own file: latest.json is the full run's.
+        path = RESULTS / ("outbox.json" if only == {"outbox"} else "latest.json")
     report["machine"]["load_after"] = os.getloadavg()
     report["wall_s"] = round(time.monotonic() - started, 1)
     path.write_text(json.dumps(report, indent=1))
