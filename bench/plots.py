@@ -27,7 +27,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from bench import report as figures
+from bench import targets as figures
+from bench.report import merge
 
 COLORS = {
     "raw": "#6b6b6b",
@@ -336,5 +337,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     out = Path(args.out or Path(args.results[0]).parent)
     out.mkdir(parents=True, exist_ok=True)
-    for png in plot_report(figures.merge(args.results), out):
+    for png in plot_report(merge(args.results), out):
         print(png)

@@ -1,6 +1,6 @@
 """Benchmarks of dedupe-worker against the raw clients and the hand-written alternative.
 
-    .venv/bin/python -m bench.run [--n 20000] [--only rabbit,kafka,dup,latency,gc,workers]
+    .venv/bin/python -m bench.run [--n 20000] [--only rabbit,kafka,dup,latency,gc,workers,outbox]
                                   [--results DIR]
     .venv/bin/python -m bench.run --memory [--n 1000000]
 
@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 import asyncpg  # noqa: E402
 
+from bench.apps import PUBLISHING, out_channel  # noqa: E402
 from dedupe.store import migrate  # noqa: E402
 
 ADMIN_URL = os.environ.get(
@@ -215,12 +216,18 @@ async def backlog_run(
             )
             result = await worker.result()
         finally:
+            # The publishing handlers' destination goes too.
+            channels = [channel, out_channel(channel)] if handler in PUBLISHING else [channel]
             if kind.startswith("kafka"):
-                await kafka_delete([channel])
+                await kafka_delete(channels)
             else:
-                await rabbit_delete([channel])
+                await rabbit_delete(channels)
     result["rate"] = round(rate(result), 1)
     result["n"] = len(ids)
+    if result.get("relayed_last") and result.get("first"):
+        # Through the outbox, done is when the relay had the last message confirmed.
+        span = result["relayed_last"] - result["first"]
+        result["relayed_rate"] = round(result["count"] / span, 1) if span > 0 else 0.0
     print(f"  {kind:18} {handler:12} {result['rate']:>10.0f} msg/s", flush=True)
     return result
 
@@ -520,6 +527,34 @@ async def workers(n: int, report: dict[str, Any], uvloop: bool) -> None:
     report["workers"] = out
 
 
+async def outbox(n: int, report: dict[str, Any], uvloop: bool) -> None:
+    """A handler that publishes one message: through the outbox (ctx.publish; done when the
+    relay has it confirmed) against the same handler publishing directly with a confirming
+    publisher before it returns. Alternated twice per broker; the better run of each counts."""
+    out: dict[str, Any] = {}
+    for broker in ("rabbit", "kafka"):
+        kind = f"{broker}-dedupe"
+        runs: dict[str, list[dict[str, Any]]] = {"direct": [], "outbox": []}
+        for _ in range(2):
+            for handler in ("direct", "outbox"):
+                runs[handler].append(await backlog_run(kind, n, handler, uvloop=uvloop))
+        direct = max(runs["direct"], key=lambda r: r["rate"])
+        relayed = max(runs["outbox"], key=lambda r: r.get("relayed_rate", 0.0))
+        out[f"{kind}/direct"] = direct
+        out[f"{kind}/outbox"] = relayed
+        out[f"{kind}/runs"] = {
+            "direct": [r["rate"] for r in runs["direct"]],
+            "outbox": [r.get("relayed_rate") for r in runs["outbox"]],
+            "outbox_handler": [r["rate"] for r in runs["outbox"]],
+        }
+        print(
+            f"  {kind:18} outbox {relayed.get('relayed_rate', 0):>10.0f} msg/s relayed "
+            f"({relayed['rate']:.0f} msg/s handled)",
+            flush=True,
+        )
+    report["outbox"] = out
+
+
 async def memory(n: int, report: dict[str, Any], uvloop: bool) -> None:
     """RSS of one Kafka worker across n messages (sampled every 2 s)."""
     result = await backlog_run(
@@ -616,7 +651,11 @@ async def main(args: argparse.Namespace) -> None:
         if "workers" in only:
             print("worker processes", flush=True)
             await workers(args.n, report, args.uvloop)
-        path = results / "latest.json"
+        if "outbox" in only:
+            print("a publish through the outbox against a direct publish", flush=True)
+            await outbox(args.n, report, args.uvloop)
+        # The outbox scenario alone keeps its own file: latest.json is the full run's.
+        path = results / ("outbox.json" if only == {"outbox"} else "latest.json")
     report["machine"]["load_after"] = os.getloadavg()
     report["wall_s"] = round(time.monotonic() - started, 1)
     path.write_text(json.dumps(report, indent=1))
@@ -642,7 +681,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="dedupe-worker benchmarks")
     parser.add_argument("--n", type=int, default=int(os.environ.get("BENCH_N", "20000")))
     parser.add_argument(
-        "--only", default=os.environ.get("BENCH_ONLY", "rabbit,kafka,dup,latency,gc,workers")
+        "--only",
+        default=os.environ.get("BENCH_ONLY", "rabbit,kafka,dup,latency,gc,workers,outbox"),
     )
     parser.add_argument(
         "--expired", type=int, default=int(os.environ.get("BENCH_EXPIRED", "100000"))

@@ -1,6 +1,7 @@
 """One benchmark consumer, run as its own process by bench/run.py (never by the test suite).
 
-    python -m bench.worker KIND --channel C --n N --db URL [--handler noop|insert|insert-group] ...
+    python -m bench.worker KIND --channel C --n N --db URL
+                           [--handler noop|insert|insert-group|outbox|direct] ...
 
 KIND is one of:
   rabbit-raw        aio-pika consume + ack, nothing else
@@ -169,7 +170,19 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
     from dedupe.store import ClaimStore, connect_pool
     from dedupe.transport import Transport
 
-    app = make_app(args.channel, args.handler, tally)
+    publisher: Any = None
+    if args.handler in ("outbox", "direct"):
+        # The relay's publisher (outbox) or the handler's own (direct): the same confirming
+        # publisher the worker gets from its transport plugin.
+        if args.broker.startswith("kafka://"):
+            from consumers.kafka import KafkaPublisher
+
+            publisher = KafkaPublisher(args.broker)
+        else:
+            from consumers.rabbitmq import RabbitMQPublisher
+
+            publisher = RabbitMQPublisher(args.broker)
+    app = make_app(args.channel, args.handler, tally, publisher=publisher)
     settings = Settings(
         database_url=args.db,
         broker_url=args.broker,
@@ -205,7 +218,11 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
 
             setattr(store, name, counted)
         async with Processor(
-            app, store, concurrency=settings.concurrency, gc_interval_s=None
+            app,
+            store,
+            concurrency=settings.concurrency,
+            gc_interval_s=None,
+            publisher=publisher if args.handler == "outbox" else None,
         ) as processor:
 
             async def process(channel: str, deliveries: Any) -> None:
@@ -234,7 +251,23 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
             await processor.drain(timeout_s=10)
             await serving
             await transport.close()
-            return {"stats": processor.stats.snapshot(), "statements": statements}
+            extra: dict[str, Any] = {}
+            if args.handler == "outbox":
+                # Done only once the relay has every message confirmed by the broker.
+                extra["relayed_last"] = await relayed(pool, tally, args.time_limit_s)
+            if publisher is not None:
+                await publisher.close()
+            return {"stats": processor.stats.snapshot(), "statements": statements, **extra}
+
+
+async def relayed(pool: Any, tally: Tally, limit_s: float) -> float | None:
+    """When the outbox had no unsent row left (polled every 10 ms, for at most limit_s)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if not await pool.fetchval("SELECT count(*) FROM dedupe_outbox WHERE sent_at IS NULL"):
+            return time.time()
+        await asyncio.sleep(0.01)
+    return None
 
 
 # -- Kafka ----------------------------------------------------------------------------------
@@ -361,7 +394,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--broker", default="amqp://guest:guest@127.0.0.1:5672/")
     parser.add_argument("--group", default="bench")
     # insert-group: the same insert with group_commit=True (dedupe kinds only).
-    parser.add_argument("--handler", choices=["noop", "insert", "insert-group"], default="noop")
+    parser.add_argument(
+        "--handler",
+        choices=["noop", "insert", "insert-group", "outbox", "direct"],
+        default="noop",
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prefetch", type=int, default=64)
     parser.add_argument("--sql-loops", type=int, default=4)

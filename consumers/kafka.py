@@ -17,6 +17,9 @@ A channel `C` is a topic; its dead letters go to the topic `C.dlq` (both are cre
 - On revocation no new work starts (not even the next wave of a batch); in-flight work gets
   `revoke_timeout_s` to finish, then what is done is committed and the rest is left to the next
   owner (the claims make its re-run a duplicate or a deferral, never a second effect).
+- A record with a `reply-to` header (and a `correlation-id`) gets its stored outcome written to
+  that topic before its offset counts as done; a reply the broker did not take holds the
+  record to be answered again later (consumers.kafka_replies).
 - A dead letter the broker can never take (too large once our headers are added) goes out
   without its body, with `x-dedupe-body-dropped` saying why; if even that fails, the message
   is held and tried again with backoff, and its partition commits no further
@@ -66,6 +69,7 @@ from .kafka_publisher import (
     idempotent_producer,
     publish,
 )
+from .kafka_replies import Replies
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +124,7 @@ class KafkaTransport(Transport):
         self._process: Process | None = None
         self._stopping = False
         self.dead_letters = DeadLetters(lambda: self._producer, lambda: self._stopping)
+        self.replies = Replies(lambda: self._producer)
         self.rebalances = 0
 
     @property
@@ -230,6 +235,7 @@ class KafkaTransport(Transport):
                 dead_letter=self.dead_letters.send,
                 pause=self._pause,
                 resume=self._resume,
+                reply=self.replies.send,
             )
         logger.info(
             "assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(assigned))

@@ -3,10 +3,10 @@
 A fetched batch runs as one `process()` call per wave: a wave never holds two records of one
 record key, so messages of a key run in offset order while the others run side by side. A
 message the core defers or requeues is held, with the later messages of its key queued behind
-it, and runs again when due, beside the stream; so is one whose dead letter the broker refused
-or whose settling failed. The commit position is the first offset without a final outcome, so
-an offset is never committed past an unfinished message. A revoked partition starts no next
-wave: what it has not run is left, uncommitted, to the next owner.
+it, and runs again when due, beside the stream; so is one whose dead letter or reply the broker
+refused, or whose settling failed. The commit position is the first offset without a final
+outcome, so an offset is never committed past an unfinished message. A revoked partition starts
+no next wave: what it has not run is left, uncommitted, to the next owner.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ TopicPartition = Any
 
 # Delay before a batch that failed inside the core (a bug, not a message problem) runs again.
 INTERNAL_ERROR_DELAY_S = 5.0
-# Delay before a message whose dead letter the broker refused runs again (doubling per attempt).
+# Delay before a message whose dead letter or reply the broker refused runs again (doubling
+# per attempt).
 DEAD_LETTER_RETRY_S = 5.0
 DEAD_LETTER_RETRY_MAX_S = 300.0
 
@@ -126,6 +127,8 @@ class PartitionWork:
 
     `dead_letter(record, settlement, closing)` writes the record to the dead-letter topic and
     returns True once the broker has it; it may give up (False) once `closing()` is true.
+    `reply(record, result, closing)` answers a request with its stored result (True at once
+    when the record asks for no reply); False holds the record like a refused dead letter.
     """
 
     def __init__(
@@ -138,12 +141,14 @@ class PartitionWork:
         dead_letter: Callable[[ConsumerRecord, Settlement, Callable[[], bool]], Awaitable[bool]],
         pause: Callable[[TopicPartition], None],
         resume: Callable[[TopicPartition], None],
+        reply: Callable[[ConsumerRecord, str, Callable[[], bool]], Awaitable[bool]] | None = None,
     ) -> None:
         self.tp = tp
         self._process = process
         self._batch_max = batch_max
         self._max_held = max_held
         self._dead_letter = dead_letter
+        self._reply = reply
         self._pause = pause
         self._resume = resume
         self.pending: dict[int, bool] = {}
@@ -236,6 +241,15 @@ class PartitionWork:
     async def settle(self, delivery: KafkaDelivery, settlement: Settlement) -> bool:
         """True when the outcome is final here (acked, or dead letter confirmed)."""
         if settlement.action is Action.ACK:
+            # A request's reply goes out before its offset is done: one the broker did not
+            # take holds the record, whose next run is a duplicate answered from the store.
+            if (
+                settlement.result is not None
+                and self._reply is not None
+                and not await self._reply(delivery.record, settlement.result, self._is_closing)
+            ):
+                self._hold_with_backoff(delivery)
+                return False
             self._final(delivery)
             return True
         if settlement.action is Action.DEAD_LETTER:
@@ -244,10 +258,7 @@ class PartitionWork:
             if await self._dead_letter(delivery.record, settlement, self._is_closing):
                 self._final(delivery)
                 return True
-            if not self.closing:
-                exponent = min(delivery.attempt - 1, 10)
-                delay_s = min(DEAD_LETTER_RETRY_S * 2**exponent, DEAD_LETTER_RETRY_MAX_S)
-                self._hold(delivery, delay_s)
+            self._hold_with_backoff(delivery)
             return False
         if self.closing:
             # Stopping or revoked: not committed past, so the next owner reads it again.
@@ -264,6 +275,12 @@ class PartitionWork:
 
     def _is_closing(self) -> bool:
         return self.closing
+
+    def _hold_with_backoff(self, delivery: KafkaDelivery) -> None:
+        """Hold a message the broker refused to finish, doubling the wait per attempt."""
+        if not self.closing:
+            exponent = min(delivery.attempt - 1, 10)
+            self._hold(delivery, min(DEAD_LETTER_RETRY_S * 2**exponent, DEAD_LETTER_RETRY_MAX_S))
 
     def _final(self, delivery: KafkaDelivery) -> None:
         chain = self.held.get(_chain_key(delivery.record))

@@ -1,5 +1,6 @@
-"""The status page: per handler, claims by status, duplicates suppressed, recent trouble and
-stuck keys with a button to release one. Server-rendered HTML, no JavaScript framework.
+"""The status page: per handler, claims by status, duplicates suppressed, the outbox's backlog,
+recent trouble and stuck keys with a button to release one. Server-rendered HTML, no JavaScript
+framework.
 
     GET  /status            the page (?stuck_after_s=60)
     POST /status/release    release one key (form: scope, key[, token])
@@ -170,6 +171,7 @@ class StatusPage:
             stuck = await admin.stuck(older_than_s=stuck_after_s, limit=100)
             recent = await admin.recent(("conflict", "failed", "dead_lettered"), limit=30)
             conflicts = await admin.conflicts(limit=30)
+            outbox = await admin.outbox(limit=30)
         except StoreError as exc:
             logger.warning("status page: %s", exc)
             return HTMLResponse("<p>the claims database is unavailable</p>", status_code=503)
@@ -181,6 +183,7 @@ class StatusPage:
             f"<p class='muted'>as of {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
             self._flash(request),
             self._overview(overview),
+            self._outbox(outbox),
             self._stuck(stuck, stuck_after_s, can_release, token),
             self._conflicts(conflicts),
             self._recent(recent),
@@ -209,6 +212,29 @@ class StatusPage:
         )
         empty = "" if rows else "<tr><td colspan='6' class='muted'>no claims yet</td></tr>"
         return head + body + empty + "</table>"
+
+    def _outbox(self, backlog: dict[str, Any]) -> str:
+        if not backlog["unsent"]:
+            return (
+                "<h2>Outbox</h2><p class='muted' id='outbox-totals'>nothing waiting to be "
+                "relayed</p>"
+            )
+        totals = (
+            f"<p id='outbox-totals'>{backlog['unsent']} unsent, the oldest "
+            f"{backlog['oldest_unsent_s']:,.0f} s old, {backlog['refused']} refused by the "
+            "broker at least once (each is tried again with backoff)</p>"
+        )
+        head = (
+            "<table id='outbox'><tr><th>channel</th><th>unsent</th><th>oldest (s)</th>"
+            "<th>refused</th><th>latest error</th></tr>"
+        )
+        body = "".join(
+            f"<tr><td>{_e(r['channel'])}</td><td class='n'>{r['unsent']}</td>"
+            f"<td class='n'>{_e(r['oldest_unsent_s'])}</td><td class='n'>{r['refused']}</td>"
+            f"<td>{_e(r['last_error'])}</td></tr>"
+            for r in backlog["channels"]
+        )
+        return "<h2>Outbox</h2>" + totals + head + body + "</table>"
 
     def _stuck(
         self, rows: list[dict[str, Any]], after_s: float, can_release: bool, token: str | None

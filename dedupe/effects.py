@@ -46,6 +46,17 @@ def encode_body(body: Any) -> tuple[bytes, str | None]:
         raise DedupeError(f"ctx.publish: the body is not bytes, a model or JSON ({exc})") from exc
 
 
+def _check_storable(what: str, text: str) -> None:
+    """Refuse at the call what the outbox table cannot hold: a completion that failed on it
+    would fail again at every delivery of the message."""
+    if "\x00" in text:
+        raise DedupeError(f"ctx.publish: {what} holds a NUL character, which PostgreSQL refuses")
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise DedupeError(f"ctx.publish: {what} is not UTF-8 text ({exc.reason})") from exc
+
+
 class RunEffects:
     """The publishes and steps of one run of a claim (one attempt)."""
 
@@ -66,6 +77,11 @@ class RunEffects:
     ) -> str:
         if not isinstance(channel, str) or not channel:
             raise DedupeError("ctx.publish: the channel must be a non-empty string")
+        texts = [("the channel", channel), ("the key", key or "")]
+        for name, value in (headers or {}).items():
+            texts += [("a header name", str(name)), (f"header {name!r}", str(value))]
+        for what, text in texts:
+            _check_storable(what, text)
         data, content_type = encode_body(body)
         position = self._counts[channel]
         self._counts[channel] += 1
@@ -74,7 +90,6 @@ class RunEffects:
                 _NAMESPACE, "\x1f".join((self.fence.scope, self.fence.key, channel, str(position)))
             )
         )
-        await self.db.connection()  # the completion now commits in ctx.db's transaction
         self.outgoing.append(
             Outgoing(
                 producer=f"{self.fence.scope}\x1f{self.fence.key}",

@@ -6,8 +6,8 @@ Three sources, chosen to cost the hot path as little as possible:
   lock-free-ish increment each);
 - at scrape time, a collector that reads counters the pipeline keeps anyway (Stats) and the
   in-flight count: nothing per message;
-- every `interval_s`, two indexed queries: the age of the oldest in-progress claim and how
-  far clean-up lags behind the expiry times.
+- every `interval_s`, three indexed queries: the age of the oldest in-progress claim, how
+  far clean-up lags behind the expiry times, and the outbox's unsent rows (the relay's lag).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from . import outbox
 from .errors import StoreError
 from .message import Message
 from .observe import Observer, outcome_of
@@ -117,6 +118,21 @@ class Metrics(Observer):
             "How long the oldest expired claim has waited for clean-up (0 when none)",
             registry=self.registry,
         )
+        self.outbox_unsent = Gauge(
+            "dedupe_outbox_unsent",
+            "Outbox rows committed by handlers (ctx.publish) and not relayed yet",
+            registry=self.registry,
+        )
+        self.outbox_oldest_unsent = Gauge(
+            "dedupe_outbox_oldest_unsent_seconds",
+            "Age of the oldest outbox row not relayed yet: the relay's lag (0 when none)",
+            registry=self.registry,
+        )
+        self.outbox_refused_unsent = Gauge(
+            "dedupe_outbox_refused_unsent",
+            "Outbox rows not relayed yet that the broker refused at least once (retried)",
+            registry=self.registry,
+        )
         self.last_check = Gauge(
             "dedupe_claims_checked_timestamp_seconds",
             "When the claims table was last looked at for the gauges above",
@@ -187,16 +203,20 @@ class Metrics(Observer):
     # -- the source read every interval --------------------------------------------------
 
     async def check_claims(self, store: ClaimStore) -> None:
-        """Refresh the gauges that need the claims table (two indexed queries)."""
+        """Refresh the gauges that need the claims and outbox tables (three indexed queries)."""
         try:
             async with store.pool.acquire() as conn:
                 row = await conn.fetchrow(OLDEST_IN_PROGRESS_SQL)
                 lag = await conn.fetchval(CLEANUP_LAG_SQL)
+                unsent = await outbox.backlog(conn)
         except Exception as exc:
             raise StoreError(f"metrics query failed: {exc}") from exc
         self.oldest_in_progress.set(row["oldest_s"])
         self.stuck.set(row["stuck"])
         self.cleanup_lag.set(lag)
+        self.outbox_unsent.set(unsent["unsent"])
+        self.outbox_oldest_unsent.set(unsent["oldest_unsent_s"])
+        self.outbox_refused_unsent.set(unsent["refused"])
         self.last_check.set_to_current_time()
 
     async def check_claims_every(self, store: ClaimStore, interval_s: float) -> None:
@@ -252,6 +272,17 @@ class _ProcessorCollector(Collector):
                 stats.gc_deleted,
             ),
         }
+        # The outbox relay's own counts (zero where the worker has no publisher).
+        relay = getattr(self.processor, "relay", None)
+        relayed = relay.stats if relay is not None else outbox.RelayStats()
+        counters["dedupe_outbox_relayed"] = (
+            "Outbox rows this worker relayed with the broker's confirm",
+            relayed.sent,
+        )
+        counters["dedupe_outbox_refused"] = (
+            "Outbox publishes the broker refused (each retried with backoff, never dropped)",
+            relayed.refused,
+        )
         for name, (text, value) in counters.items():
             yield CounterMetricFamily(name, text, value=value)
         dead = CounterMetricFamily(

@@ -1,5 +1,6 @@
 """Key-level operations for operators: history, stuck keys, recent trouble, purge, overview,
-and settling a conflict (discard its second payload, or run it under a new key)."""
+the outbox's backlog, and settling a conflict (discard its second payload, or run it under a
+new key)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,17 @@ class ClaimAdmin:
     async def overview(self) -> list[dict[str, Any]]:
         """Per handler: claims by status, duplicates suppressed, conflicts seen."""
         return await self._fetch("overview")
+
+    async def outbox(self, *, limit: int = 20) -> dict[str, Any]:
+        """The outbox's unsent rows, the oldest one's age (the relay's lag) and the ones the
+        broker refused, in all and per channel (`channels`, the most lagging first)."""
+        backlog = await outbox.backlog(self.store.pool)
+        backlog["channels"] = (
+            await outbox.backlog_by_channel(self.store.pool, limit=limit)
+            if backlog["unsent"]
+            else []
+        )
+        return backlog
 
     async def settle_conflict(
         self, scope: str, key: str, *, run_as: str | None, conflict_id: int | None = None

@@ -1,10 +1,12 @@
 """The transactional outbox: a run's publishes stored with its writes, relayed with confirms.
 
-`ctx.publish` (dedupe.effects) adds rows in the run's completion transaction; a zombie's or a
-rolled-back run's rows roll back with it. Every worker's `Relay` takes committed rows, whole
-producers (a run's scope and key) at a time and in order, publishes each with the broker's
-confirm, and marks them sent in the same transaction that locked them: a relay that dies before
-it commits leaves them to the next (at least once; the message id makes a repeat a duplicate).
+`ctx.publish` (dedupe.effects) adds rows in the run's completion transaction: the one of its
+ctx.db writes, or, for a run that wrote nothing else, one shared with the batch's other such
+completions (PublishingCompletions); a zombie's or a rolled-back run's rows never commit.
+Every worker's `Relay` takes committed rows, whole producers (a run's scope and key) at a time
+and in order, publishes each with the broker's confirm, and marks them sent in the same
+transaction that locked them: a relay that dies before it commits leaves them to the next (at
+least once; the message id makes a repeat a duplicate).
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
 import asyncpg
 
+from .batching import Batcher
 from .database import TRANSIENT_ERRORS
 from .errors import StoreError
 from .sql import queries
+from .store import ClaimStore, Fence
 from .transport import Publisher
 from .values import storable_text
 
@@ -56,8 +60,53 @@ async def add(conn: asyncpg.Connection, rows: Sequence[Outgoing], *, retention_s
     )
 
 
+Completion = tuple[Fence, str, float, Sequence[Outgoing]]  # fence, result, retention, rows
+
+
+class PublishingCompletions:
+    """Completes runs whose only writes are publishes many at a time: one transaction holds a
+    batch's fenced completions and the outbox rows of the runs that completed, so a fenced
+    (zombie) run's rows are never stored, and no run pays a commit of its own.
+
+    `on_committed` is called after each commit that stored rows (to wake the relay).
+    """
+
+    def __init__(self, store: ClaimStore, *, on_committed: Callable[[], None]) -> None:
+        self.store = store
+        self._on_committed = on_committed
+        self._batcher: Batcher[Completion, bool] = Batcher(self._flush)
+
+    def submit_nowait(self, completion: Completion) -> asyncio.Future[list[bool]]:
+        """Queue a run's completion; the future's one-item list says whether it completed
+        ([False]: fenced)."""
+        return self._batcher.submit_nowait(completion)
+
+    async def _flush(self, items: Sequence[Completion]) -> list[bool]:
+        stored = False
+        try:
+            async with self.store.pool.acquire() as conn, conn.transaction():
+                done = await self.store.complete([(f, r, t) for f, r, t, _ in items], conn=conn)
+                # One statement per retention (a handler's option: usually one in all).
+                by_retention: dict[float, list[Outgoing]] = {}
+                for fence, _, retention_s, rows in items:
+                    if (fence.scope, fence.key) in done:
+                        by_retention.setdefault(retention_s, []).extend(rows)
+                for retention_s, rows in by_retention.items():
+                    await add(conn, rows, retention_s=retention_s)
+                    stored = stored or bool(rows)
+        except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
+            raise StoreError(
+                f"completing runs with their publishes failed: {exc.__class__.__name__}: {exc}"
+            ) from exc
+        if stored:
+            self._on_committed()
+        return [(fence.scope, fence.key) in done for fence, _, _, _ in items]
+
+
 @dataclass
 class RelayStats:
+    """What one relay did: rows sent with the broker's confirm, publishes the broker refused."""
+
     sent: int = 0
     refused: int = 0
 
@@ -75,7 +124,7 @@ class Relay:
         *,
         interval_s: float = 0.5,
         batch: int = 200,
-        concurrency: int = 16,
+        concurrency: int = 64,
     ) -> None:
         self.pool = pool
         self.publisher = publisher
@@ -86,6 +135,8 @@ class Relay:
         self._q = queries("outbox.sql")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.stop_timeout_s = 5.0
 
     def wake(self) -> None:
         self._wake.set()
@@ -95,7 +146,13 @@ class Relay:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Finish the round under way and relay what is committed by now, for up to
+        `stop_timeout_s`; then cancel (a cancelled round rolls back: its rows are sent again)."""
         if self._task is not None:
+            self._stopping = True
+            self._wake.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), self.stop_timeout_s)
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -109,12 +166,14 @@ class Relay:
                     await self._wake.wait()
             self._wake.clear()
             try:
-                while await self.relay_once() >= self.batch:
+                while await self.relay_once() >= self.batch and not self._stopping:
                     pass  # a full batch: more may be waiting
                 failures = 0
             except StoreError as exc:
                 failures = min(failures + 1, 5)
                 logger.warning("outbox relay: %s", exc)
+            if self._stopping:
+                return
 
     async def relay_once(self) -> int:
         """Take, publish and mark one batch; return how many rows it took."""
@@ -179,14 +238,24 @@ class Relay:
         return sent, refused
 
 
-async def backlog(pool: asyncpg.Pool) -> dict[str, Any]:
-    """Unsent rows, the age of the oldest (relay lag) and how many were refused at least once."""
+async def backlog(pool: asyncpg.Pool | asyncpg.Connection) -> dict[str, Any]:
+    """Unsent rows (`unsent`), the age of the oldest (`oldest_unsent_s`: the relay's lag) and
+    how many of them the broker refused at least once (`refused`)."""
     try:
         row = await pool.fetchrow(queries("outbox.sql")["backlog"])
     except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
         raise StoreError(f"reading the outbox failed: {exc}") from exc
     assert row is not None
     return dict(row)
+
+
+async def backlog_by_channel(pool: asyncpg.Pool, *, limit: int = 20) -> list[dict[str, Any]]:
+    """The backlog per destination channel, the most lagging first, with its latest error."""
+    try:
+        rows = await pool.fetch(queries("outbox.sql")["backlog_by_channel"], limit)
+    except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
+        raise StoreError(f"reading the outbox failed: {exc}") from exc
+    return [dict(row) for row in rows]
 
 
 async def gc(pool: asyncpg.Pool, *, batch_size: int = 1000, max_batches: int = 100) -> int:
@@ -204,4 +273,13 @@ async def gc(pool: asyncpg.Pool, *, batch_size: int = 1000, max_batches: int = 1
     return deleted
 
 
-__all__ = ["Outgoing", "Relay", "RelayStats", "add", "backlog", "gc"]
+__all__ = [
+    "Outgoing",
+    "PublishingCompletions",
+    "Relay",
+    "RelayStats",
+    "add",
+    "backlog",
+    "backlog_by_channel",
+    "gc",
+]

@@ -75,6 +75,8 @@ class Runner:
         self._isolation = asyncio.Lock()
         self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
         self.lanes = Lanes(store, lanes=group_commit_lanes(concurrency))
+        # Runs whose only writes are publishes: completed with their outbox rows, a batch at once.
+        self._publishing = outbox.PublishingCompletions(store, on_committed=self._published)
 
     @property
     def on_published(self) -> Callable[[], None] | None:
@@ -268,6 +270,11 @@ class Runner:
                     raise LeaseLost()
                 if outgoing and self._on_published is not None:
                     self._on_published()
+            elif effects is not None and effects.outgoing:
+                queued = self._publishing.submit_nowait(
+                    (fence, result, handler.retention_s, effects.outgoing)
+                )
+                return Pending(ticket, fence, result, queued)
             else:
                 queued = self._completer.submit_nowait((fence, result, handler.retention_s))
                 return Pending(ticket, fence, result, queued)
@@ -327,6 +334,10 @@ class Runner:
                 f"started {attempt - 1} times without finishing (max_attempts="
                 f"{handler.max_attempts}): its workers died or lost the database"
             )
+
+    def _published(self) -> None:
+        if self._on_published is not None:
+            self._on_published()
 
     async def _complete_batch(self, items: Sequence[tuple[Fence, str, float]]) -> list[bool]:
         done = await self.store.complete(items)

@@ -2,14 +2,16 @@
 
 Two workers consume a burst of payment requests with duplicates, key conflicts, invalid and
 poison messages; one worker is killed with SIGKILL mid-run and restarted; the summary shows
-what ran once and the SQL that proves it. Then the HTTP API section (scripts/demo_http.py).
+what ran once and the SQL that proves it: the charges, the provider calls (a durable step: the
+runs the SIGKILL interrupted do not call again once their call is recorded) and the receipts
+(stage 2: published through the outbox, relayed to `receipts`, handled once each). Then the
+HTTP API section (scripts/demo_http.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -17,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ import asyncpg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from handlers.payments import app, setup  # noqa: E402
+from handlers.payments import RECEIPTS, app, setup  # noqa: E402
+from scripts.demo_workers import CHANNEL, LOGS, Workers, make_broker  # noqa: E402
 
 ADMIN_URL = os.environ.get(
     "DEDUPE_DATABASE_URL", "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
@@ -35,8 +37,6 @@ ADMIN_URL = os.environ.get(
 AMQP_URL = os.environ.get("DEDUPE_DEMO_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 KAFKA_URL = os.environ.get("DEDUPE_DEMO_KAFKA_URL", "kafka://127.0.0.1:9092")
 DEMO_DB = "dedupe_demo"
-CHANNEL = "payments"
-LOGS = ROOT / ".services" / "demo"
 LEASE_S = max(handler.lease_s for handler in app.handlers.values())
 
 
@@ -90,122 +90,9 @@ def workload(
     return burst
 
 
-class Rabbit:
-    name = "RabbitMQ"
-    url = AMQP_URL
-
-    async def reset(self) -> None:
-        import aio_pika
-
-        from consumers.rabbitmq import declare_channel
-
-        connection = await aio_pika.connect(self.url)
-        async with connection:
-            amqp = await connection.channel()
-            await declare_channel(amqp, CHANNEL)
-            for name in (CHANNEL, f"{CHANNEL}.dlq", f"{CHANNEL}.delay"):
-                await (await amqp.get_queue(name)).purge()
-
-    async def publish(self, messages: list[tuple[bytes, dict[str, Any], str | None]]) -> None:
-        from consumers.rabbitmq import publish
-
-        await publish(self.url, CHANNEL, messages)
-
-    async def dead_letters(self) -> Counter[str]:
-        from consumers.rabbitmq import peek_dead_letters
-
-        letters = await peek_dead_letters(self.url, CHANNEL, limit=1000)
-        return Counter(str(letter["reason"]) for letter in letters)
-
-    async def backlog(self) -> int:
-        import aio_pika
-
-        connection = await aio_pika.connect(self.url)
-        async with connection:
-            amqp = await connection.channel()
-            total = 0
-            for name in (CHANNEL, f"{CHANNEL}.delay"):
-                queue = await amqp.declare_queue(name, passive=True)
-                total += int(queue.declaration_result.message_count or 0)
-            return total
-
-
-def make_broker(kind: str) -> Any:
-    if kind == "rabbitmq":
-        return Rabbit()
-    if kind == "kafka":
-        from scripts.demo_kafka import Kafka
-
-        return Kafka(KAFKA_URL, CHANNEL)
-    sys.exit(f"demo: unknown broker {kind!r} (rabbitmq or kafka)")
-
-
-class Workers:
-    """`dedupe-worker run handlers.payments:app` processes with their logs in .services/demo."""
-
-    def __init__(self, broker_url: str, metrics_port: int = 0) -> None:
-        self.broker_url = broker_url
-        self.metrics_port = metrics_port  # worker n serves /metrics on metrics_port + n
-        self.procs: list[subprocess.Popen[bytes]] = []
-        LOGS.mkdir(parents=True, exist_ok=True)
-
-    def start(self) -> subprocess.Popen[bytes]:
-        n = len(self.procs)
-        env = {
-            **os.environ,
-            "DEDUPE_DATABASE_URL": demo_url(),
-            "DEDUPE_BROKER_URL": self.broker_url,
-            "DEDUPE_STATS_INTERVAL_S": "1",
-            "DEDUPE_WORKER_NAME": f"demo-worker-{n}",
-            "DEDUPE_METRICS_PORT": str(self.metrics_port + n if self.metrics_port else 0),
-            "DEDUPE_METRICS_INTERVAL_S": "1",
-        }
-        log = open(LOGS / f"worker-{n}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dedupe.cli",
-                "run",
-                "handlers.payments:app",
-                "--concurrency",
-                "16",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.procs.append(proc)
-        return proc
-
-    def save_metrics(self) -> list[Path]:
-        """Each live worker's /metrics, saved next to its log (before the workers stop)."""
-        saved = []
-        for n, proc in enumerate(self.procs):
-            if not self.metrics_port or proc.poll() is not None:
-                continue
-            url = f"http://127.0.0.1:{self.metrics_port + n}/metrics"
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as reply:
-                path = LOGS / f"metrics-worker-{n}.txt"
-                path.write_bytes(reply.read())
-                saved.append(path)
-        return saved
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
 async def run(args: argparse.Namespace) -> int:
-    broker = make_broker(args.broker)
-    say(f"database {DEMO_DB} (fresh), broker {broker.name}, channel '{CHANNEL}'")
+    broker = make_broker(args.broker, amqp_url=AMQP_URL, kafka_url=KAFKA_URL)
+    say(f"database {DEMO_DB} (fresh), broker {broker.name}, channels '{CHANNEL}', '{RECEIPTS}'")
     admin = await asyncpg.connect(ADMIN_URL)
     await admin.execute(f"DROP DATABASE IF EXISTS {DEMO_DB} WITH (FORCE)")
     await admin.execute(f"CREATE DATABASE {DEMO_DB}")
@@ -222,7 +109,7 @@ async def run(args: argparse.Namespace) -> int:
     burst = workload(
         args.seed, args.unique, args.duplicates, args.conflicts, args.invalid, args.poison
     )
-    workers = Workers(broker.url, args.metrics_port)
+    workers = Workers(broker.url, demo_url(), args.metrics_port)
     workers.start()
     workers.start()
     say(f"two workers started (logs in {LOGS.relative_to(ROOT)}/)")
@@ -245,6 +132,14 @@ async def run(args: argparse.Namespace) -> int:
         victim.wait()
         killed_at = await db.fetchval("SELECT count(*) FROM charges")
         crashed = time.monotonic()
+        # The payments the SIGKILL interrupted, with the token of the run it killed.
+        orphans = {
+            r["key"]: r["token"]
+            for r in await db.fetch(
+                "SELECT key, token FROM dedupe_claims WHERE status = 'in_progress'"
+                " AND owner = 'demo-worker-0' AND scope = 'shop.charge'"
+            )
+        }
         orphaned = await db.fetchval(
             "SELECT count(*) FROM dedupe_claims"
             " WHERE status = 'in_progress' AND owner = 'demo-worker-0'"
@@ -258,6 +153,8 @@ async def run(args: argparse.Namespace) -> int:
         expected_dead = args.conflicts + args.invalid + args.poison
         while True:
             charges = await db.fetchval("SELECT count(*) FROM charges")
+            receipts = await db.fetchval("SELECT count(*) FROM receipts")
+            unsent = await db.fetchval("SELECT count(*) FROM dedupe_outbox WHERE sent_at IS NULL")
             in_progress = await db.fetchval(
                 "SELECT count(*) FROM dedupe_claims WHERE status = 'in_progress'"
             )
@@ -265,6 +162,8 @@ async def run(args: argparse.Namespace) -> int:
             backlog = await broker.backlog()
             if (
                 charges >= args.unique
+                and receipts >= args.unique
+                and not unsent
                 and not in_progress
                 and not backlog
                 and sum(dead.values()) >= expected_dead
@@ -272,8 +171,8 @@ async def run(args: argparse.Namespace) -> int:
                 break
             if time.monotonic() > deadline:
                 say(
-                    f"timed out: charges={charges} in_progress={in_progress} backlog={backlog} "
-                    f"dead={dict(dead)}"
+                    f"timed out: charges={charges} receipts={receipts} unsent={unsent} "
+                    f"in_progress={in_progress} backlog={backlog} dead={dict(dead)}"
                 )
                 return 1
             await asyncio.sleep(0.25)
@@ -281,24 +180,18 @@ async def run(args: argparse.Namespace) -> int:
         await asyncio.sleep(1.5)  # one more round of the claims-table gauges
         metrics_files = await asyncio.to_thread(workers.save_metrics)
         workers.stop()
-        charges, distinct = await db.fetchrow(
-            "SELECT count(*), count(DISTINCT payment_id) FROM charges"
-        )
-        calls, call_keys = await db.fetchrow(
-            "SELECT count(*), count(DISTINCT idempotency_key) FROM provider_calls"
-            " WHERE payment_id NOT LIKE 'poison-%'"
-        )
-        statuses = dict(
-            await db.fetch("SELECT status, count(*) FROM dedupe_claims GROUP BY status")
-        )
-        suppressed = await db.fetchval(
-            "SELECT coalesce(sum(duplicates), 0) FROM dedupe_scope_counts"
-        )
+        figures = await measure(db, orphans)
     finally:
         workers.stop()
         await db.close()
 
+    charges, distinct = figures["charges"], figures["distinct_payments"]
+    calls, call_keys = figures["calls"], figures["call_keys"]
+    receipts, receipt_payments = figures["receipts"], figures["receipt_payments"]
     ok = charges == distinct == args.unique and call_keys == args.unique
+    # A provider call repeats only for a payment the SIGKILL interrupted inside the call.
+    ok = ok and figures["repeats_elsewhere"] == 0
+    ok = ok and receipts == receipt_payments == figures["outbox_rows"] == args.unique
     ok = ok and dead == Counter(
         {
             "key_conflict": args.conflicts,
@@ -322,17 +215,38 @@ async def run(args: argparse.Namespace) -> int:
         ),
         (
             "provider calls",
-            f"{calls} over {call_keys} distinct idempotency keys"
-            " (a repeat after the crash carries the same key)",
+            f"{calls} over {call_keys} distinct idempotency keys: once per payment"
+            + (
+                f", but {figures['repeats']} called again (killed inside the call, same key)"
+                if figures["repeats"]
+                else ""
+            ),
+        ),
+        (
+            "  the runs the SIGKILL cut",
+            f"{len(orphans)} payments: {figures['answered_by_step']} had their provider call"
+            " recorded by the step and did not call again on the re-run,"
+            f" {figures['repeats']} were inside the call, the others had not called yet",
+        ),
+        (
+            "receipts (stage 2)",
+            f"{receipts}  ({receipt_payments} distinct payments)"
+            + ("  == unique valid messages" if receipts == args.unique else "  !! MISMATCH"),
+        ),
+        (
+            "  through the outbox",
+            f"{figures['outbox_rows']} rows stored with the charges, all relayed (lag p50"
+            f" {figures['lag_p50_s']:.2f} s, max {figures['lag_max_s']:.2f} s);"
+            f" {figures['receipt_duplicates']} receipt duplicates acked without a second run",
         ),
         (
             "duplicates suppressed",
-            f"{suppressed}  ({args.duplicates} duplicate copies published; counts are flushed"
-            " every 5 s: the killed worker's last ones are lost, a copy seen again after"
+            f"{figures['suppressed']}  ({args.duplicates} duplicate copies published; counts are"
+            " flushed every 5 s: the killed worker's last ones are lost, a copy seen again after"
             " the crash counts twice)",
         ),
         ("dead-lettered", ", ".join(f"{k} {v}" for k, v in sorted(dead.items()))),
-        ("claims", ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))),
+        ("claims", ", ".join(f"{k} {v}" for k, v in sorted(figures["statuses"].items()))),
         ("crash", f"worker 0 SIGKILLed at {killed_at} charges and restarted"),
         (
             "throughput",
@@ -356,16 +270,72 @@ async def run(args: argparse.Namespace) -> int:
     print(f'  psql {demo_url()} -c "SELECT count(*), count(DISTINCT payment_id) FROM charges"')
     print(f'  psql {demo_url()} -c "SELECT status, count(*) FROM dedupe_claims GROUP BY 1"')
     print(f'  psql {demo_url()} -c "SELECT count(DISTINCT idempotency_key) FROM provider_calls"')
+    print(f'  psql {demo_url()} -c "SELECT count(*), count(DISTINCT payment_id) FROM receipts"')
+    print(f'  psql {demo_url()} -c "SELECT count(*), count(sent_at) FROM dedupe_outbox"')
     print(f"  .venv/bin/dedupe-worker dlq list {CHANNEL} --broker {broker.url}")
     print(f"  DEDUPE_DATABASE_URL={demo_url()} .venv/bin/dedupe-worker status")
     for path in metrics_files:
         print(f"  grep ^dedupe_ {path.relative_to(ROOT)}  # a worker's /metrics before it stopped")
     print()
     print(
-        "RESULT: " + ("every valid payment charged exactly once" if ok else "MISMATCH, see above")
+        "RESULT: "
+        + (
+            "every valid payment charged exactly once, its receipt sent once"
+            if ok
+            else "MISMATCH, see above"
+        )
     )
     http_ok = await http_api_section()
     return 0 if ok and http_ok else 1
+
+
+async def measure(db: asyncpg.Connection, orphans: dict[str, int]) -> dict[str, Any]:
+    """The summary's figures, from the demo database once everything settled."""
+    figures: dict[str, Any] = {}
+    figures["charges"], figures["distinct_payments"] = await db.fetchrow(
+        "SELECT count(*), count(DISTINCT payment_id) FROM charges"
+    )
+    calls = {
+        r["key"]: r["n"]
+        for r in await db.fetch(
+            "SELECT idempotency_key AS key, count(*) AS n FROM provider_calls"
+            " WHERE payment_id NOT LIKE 'poison-%' GROUP BY 1"
+        )
+    }
+    figures["calls"], figures["call_keys"] = sum(calls.values()), len(calls)
+    # The step's idempotency key is `<claim key>/charge`.
+    repeated = {key.removesuffix("/charge") for key, n in calls.items() if n > 1}
+    figures["repeats"] = len(repeated & orphans.keys())
+    figures["repeats_elsewhere"] = len(repeated - orphans.keys())
+    figures["answered_by_step"] = await db.fetchval(
+        "SELECT count(*) FROM dedupe_steps s JOIN unnest($1::text[], $2::bigint[]) AS o(key, token)"
+        " ON s.scope = 'shop.charge' AND s.key = o.key AND s.token = o.token",
+        list(orphans),
+        list(orphans.values()),
+    )
+    figures["receipts"], figures["receipt_payments"] = await db.fetchrow(
+        "SELECT count(*), count(DISTINCT payment_id) FROM receipts"
+    )
+    row = await db.fetchrow(
+        "SELECT count(*) AS n,"
+        " coalesce(percentile_cont(0.5) WITHIN GROUP"
+        "  (ORDER BY extract(epoch FROM sent_at - created_at)), 0) AS p50,"
+        " coalesce(max(extract(epoch FROM sent_at - created_at)), 0) AS max"
+        " FROM dedupe_outbox WHERE channel = $1",
+        RECEIPTS,
+    )
+    figures["outbox_rows"], figures["lag_p50_s"], figures["lag_max_s"] = (
+        row["n"],
+        float(row["p50"]),
+        float(row["max"]),
+    )
+    figures["statuses"] = dict(
+        await db.fetch("SELECT status, count(*) FROM dedupe_claims GROUP BY status")
+    )
+    counts = dict(await db.fetch("SELECT scope, duplicates FROM dedupe_scope_counts"))
+    figures["suppressed"] = counts.get("shop.charge", 0)
+    figures["receipt_duplicates"] = counts.get("shop.receipt", 0)
+    return figures
 
 
 async def http_api_section() -> bool:

@@ -21,19 +21,21 @@ from handlers.payments import app
 
 
 class Kafka:
-    """A channel on Kafka as the demo sees it: reset, publish, dead letters, backlog."""
+    """The demo's channels on Kafka: reset, publish, dead letters, backlog. The burst goes to
+    `channel`; `receipts` is fed by the workers' outbox relay."""
 
     name = "Kafka"
 
-    def __init__(self, url: str, channel: str) -> None:
+    def __init__(self, url: str, channel: str, receipts: str) -> None:
         self.url = url
         self.channel = channel
+        self.channels = (channel, receipts)
         self.options = kafka.KafkaOptions.from_url(url)
         self.group_id = kafka.group_id_for(app.name)
 
     async def reset(self) -> None:
         """Create the topics if needed and delete every record an earlier run left in them."""
-        topics = [self.channel, dlq_name(self.channel)]
+        topics = [topic for channel in self.channels for topic in (channel, dlq_name(channel))]
         await kafka.ensure_topics(self.options, topics)
         admin = AIOKafkaAdminClient(bootstrap_servers=self.options.bootstrap_servers)
         await admin.start()
@@ -78,8 +80,9 @@ class Kafka:
         return Counter(str(letter["reason"]) for letter in letters)
 
     async def backlog(self) -> int:
-        """Records the workers' group has not committed past yet."""
-        return await kafka.backlog(self.url, self.channel, self.group_id)
+        """Records of both channels the workers' group has not committed past yet."""
+        lags = [await kafka.backlog(self.url, c, self.group_id) for c in self.channels]
+        return sum(lags)
 
 
 async def _end_offsets(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from typing import Any
 
 from ..operations import ClaimAdmin
 from ..plugins import Serving, server
@@ -24,8 +25,9 @@ async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         overview = await admin.overview()
         stuck = await admin.stuck(older_than_s=args.stuck_after_s)
         recent = await admin.recent(("conflict", "failed", "dead_lettered"), limit=args.limit)
+        outbox = await admin.outbox(limit=args.limit)
     if args.json:
-        document = {"handlers": overview, "stuck": stuck, "recent": recent}
+        document = {"handlers": overview, "stuck": stuck, "recent": recent, "outbox": outbox}
         print(json.dumps(document, default=str, indent=2))
         return 0
     columns = ["handler", "in_progress", "completed", "failed", "duplicates", "conflicts"]
@@ -37,7 +39,22 @@ async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         print("none")
     print("\nrecent conflicts and dead letters:")
     print_rows(recent, ["at", "event", "scope", "key", "detail"]) if recent else print("none")
+    print(f"\noutbox: {outbox_summary(outbox)}")
+    if outbox["channels"]:
+        print_rows(
+            outbox["channels"], ["channel", "unsent", "oldest_unsent_s", "refused", "last_error"]
+        )
     return 0
+
+
+def outbox_summary(backlog: dict[str, Any]) -> str:
+    """One line on the outbox's backlog (ctx.publish): what waits, how long, what was refused."""
+    if not backlog["unsent"]:
+        return "nothing waiting to be relayed"
+    return (
+        f"{backlog['unsent']} unsent, the oldest {backlog['oldest_unsent_s']:.0f} s old, "
+        f"{backlog['refused']} refused by the broker at least once"
+    )
 
 
 async def _serve(store: ClaimStore, settings: Settings) -> int:

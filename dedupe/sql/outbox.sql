@@ -15,6 +15,8 @@ SELECT producer, channel, message_id, body, headers::jsonb, content_type,
 -- in id order, due now, locked until the relay commits that they were sent.
 -- A producer is a candidate when one of its rows is due; the relay stops at a producer's first
 -- row not due (a refused one waiting out its backoff), so its later rows never overtake it.
+-- The producers' rows are looked up by dedupe_outbox_producer_unsent_idx: a round costs its
+-- batch, not the backlog.
 WITH candidates AS (
     SELECT producer, min(id) AS first
       FROM (SELECT id, producer FROM dedupe_outbox
@@ -46,10 +48,24 @@ UPDATE dedupe_outbox
  WHERE id = $1;
 
 -- name: backlog
+-- Operators' view (metrics, status): unsent rows, the oldest one's age (the relay's lag) and
+-- those the broker refused at least once; over the partial index of unsent rows only.
 SELECT count(*)::bigint AS unsent,
-       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_s,
+       coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_unsent_s,
        count(*) FILTER (WHERE attempts > 0)::bigint AS refused
   FROM dedupe_outbox WHERE sent_at IS NULL;
+
+-- name: backlog_by_channel
+-- The same per destination, the most lagging first, with the latest refusal's error.
+SELECT channel, count(*)::bigint AS unsent,
+       extract(epoch FROM now() - min(created_at))::float8 AS oldest_unsent_s,
+       count(*) FILTER (WHERE attempts > 0)::bigint AS refused,
+       (array_agg(last_error ORDER BY id DESC) FILTER (WHERE last_error IS NOT NULL))[1]
+           AS last_error
+  FROM dedupe_outbox WHERE sent_at IS NULL
+ GROUP BY channel
+ ORDER BY min(created_at)
+ LIMIT $1;
 
 -- name: gc
 DELETE FROM dedupe_outbox

@@ -165,6 +165,37 @@ async def test_status_shows_handlers_stuck_keys_and_recent_trouble(
     assert {e["event"] for e in document["recent"]} == {"failed", "dead_lettered"}
 
 
+OUTBOX_ROWS = """
+INSERT INTO dedupe_outbox (producer, channel, message_id, body, created_at, attempts,
+                           last_error, sent_at, expires_at)
+VALUES ('adm.work\x1fa', 'emails', 'e-1', 'x', now() - interval '10 minutes', 3,
+        'ConnectionError: refused', NULL, now() + interval '1 day'),
+       ('adm.work\x1fb', 'emails', 'e-2', 'x', now(), 0, NULL, NULL, now() + interval '1 day'),
+       ('adm.work\x1fc', 'receipts', 'r-1', 'x', now() - interval '2 days', 0, NULL,
+        now() - interval '2 days', now() + interval '1 day')
+"""
+
+
+async def test_status_shows_the_outbox_backlog_its_lag_and_the_latest_refusal(
+    db_url: str, db: asyncpg.Connection
+) -> None:
+    """Unsent outbox rows in all and per channel, the oldest one's age (the relay's lag) and
+    the broker's latest refusal, in --json and as text; sent rows are not backlog."""
+    empty = await cli(db_url, "status")
+    assert "outbox: nothing waiting to be relayed" in empty.stdout
+    await db.execute(OUTBOX_ROWS)
+    shown = await cli(db_url, "status", "--json")
+    outbox = json.loads(shown.stdout)["outbox"]
+    assert (outbox["unsent"], outbox["refused"]) == (2, 1)
+    assert 599 < outbox["oldest_unsent_s"] < 700
+    [emails] = outbox["channels"]
+    assert (emails["channel"], emails["unsent"], emails["refused"]) == ("emails", 2, 1)
+    assert emails["last_error"] == "ConnectionError: refused"
+    text = await cli(db_url, "status")
+    assert "outbox: 2 unsent, the oldest 6" in text.stdout  # 600-odd seconds
+    assert "ConnectionError: refused" in text.stdout
+
+
 async def test_dlq_list_and_replay_on_kafka(
     db_url: str, kafka_url: str, channel: str, claims: asyncpg.Connection
 ) -> None:

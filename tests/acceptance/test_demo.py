@@ -1,9 +1,11 @@
 """`make demo`, the main job end to end (scripts/demo.py): two workers, a burst with
 duplicates, conflicts, invalid and poison messages, a SIGKILL mid-run, and a summary whose
-side effects equal the unique valid messages. On both brokers."""
+side effects equal the unique valid messages at both stages: the charges (the provider called
+through a durable step) and the receipts (through the outbox). On both brokers."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -13,7 +15,10 @@ from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("broker", ["rabbitmq", "kafka"])
-def test_the_demo_charges_every_valid_payment_exactly_once_through_a_crash(broker: str) -> None:
+def test_the_demo_charges_every_valid_payment_and_sends_its_receipt_once_through_a_crash(
+    broker: str,
+) -> None:
+    """Charges, provider calls and receipts once per payment across the SIGKILL."""
     result = subprocess.run(
         [sys.executable, "scripts/demo.py", "--broker", broker, "--timeout-s", "120"],
         cwd=ROOT,
@@ -22,7 +27,18 @@ def test_the_demo_charges_every_valid_payment_exactly_once_through_a_crash(broke
         timeout=180,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "RESULT: every valid payment charged exactly once" in result.stdout
-    assert "680  (680 distinct payments)  == unique valid messages" in result.stdout
+    assert (
+        "RESULT: every valid payment charged exactly once, its receipt sent once" in result.stdout
+    )
+    # The summary's rows by label: "  <label padded to 30> <value>".
+    lines = {re.split(r"\s{2,}", line.strip())[0]: line for line in result.stdout.splitlines()}
+    assert (
+        "680  (680 distinct payments)  == unique valid messages"
+        in lines["side effects (charges rows)"]
+    )
+    assert "over 680 distinct idempotency keys: once per payment" in lines["provider calls"]
+    assert "did not call again on the re-run" in lines["the runs the SIGKILL cut"]
+    assert "680  (680 distinct payments)  == unique valid messages" in lines["receipts (stage 2)"]
+    assert "680 rows stored with the charges, all relayed" in lines["through the outbox"]
     assert "dead-lettered                  invalid_payload 5, key_conflict 10," in result.stdout
     assert "SIGKILLed at" in result.stdout

@@ -167,3 +167,26 @@ async def test_the_status_page_shows_the_claims_and_releases_a_stuck_key(
     events = await db.fetch("SELECT event FROM dedupe_claim_events WHERE key = 'stuck-1'")
     assert [e["event"] for e in events] == ["released"]
     browser.save_screenshot(str(SCREENSHOTS / "status-page-released.png"))
+
+
+async def test_the_status_page_shows_the_outbox_backlog_by_channel(
+    db: asyncpg.Connection, status_server: str
+) -> None:
+    """Per destination channel: unsent rows, the oldest one's age, refusals and the latest
+    error; the totals above the table."""
+    async with httpx.AsyncClient() as client:
+        empty = (await client.get(f"{status_server}/status")).text
+        assert "nothing waiting to be relayed" in empty
+        await db.execute(
+            """INSERT INTO dedupe_outbox (producer, channel, message_id, body, created_at,
+                                          attempts, last_error, expires_at)
+               VALUES ('shop.charge\x1fa', 'receipts', 'r-1', 'x', now() - interval '5 minutes',
+                       2, 'ConnectionError: broker <down>', now() + interval '1 day'),
+                      ('shop.charge\x1fb', 'receipts', 'r-2', 'x', now(), 0, NULL,
+                       now() + interval '1 day')"""
+        )
+        page = (await client.get(f"{status_server}/status")).text
+    section = page[page.index("id='outbox'") :]
+    assert "2 unsent" in page and "1 refused" in page
+    assert "<td>receipts</td><td class='n'>2</td><td class='n'>30" in section  # 300-odd s
+    assert "ConnectionError: broker &lt;down&gt;" in section  # escaped

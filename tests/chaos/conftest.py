@@ -11,6 +11,7 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from typing import Protocol
 
 import asyncpg
 
@@ -102,7 +103,13 @@ async def run_scenario(
     return report
 
 
-async def record(report: Report) -> None:
+class Row(Protocol):
+    """A scenario's result that renders as its table row."""
+
+    def row(self) -> str: ...
+
+
+async def record(report: Row) -> None:
     """Print the scenario's table row and append it to CHAOS_REPORT, if set."""
     out = os.environ.get("CHAOS_REPORT")
     if out:

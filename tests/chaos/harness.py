@@ -28,12 +28,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Workers:
-    """Real `dedupe-worker run tests.apps.chaos:app` processes."""
+    """Real `dedupe-worker run tests.apps.chaos:app` processes (or another app's)."""
 
-    def __init__(self, env: dict[str, str], logs: Path, *, concurrency: int = 16) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        logs: Path,
+        *,
+        concurrency: int = 16,
+        app: str = "tests.apps.chaos:app",
+    ) -> None:
         self.env = env
         self.logs = logs
         self.concurrency = concurrency
+        self.app = app
         self.procs: list[subprocess.Popen[bytes]] = []
         self.started = 0
         logs.mkdir(parents=True, exist_ok=True)
@@ -47,7 +55,7 @@ class Workers:
                 "-m",
                 "dedupe.cli",
                 "run",
-                "tests.apps.chaos:app",
+                self.app,
                 "--concurrency",
                 str(self.concurrency),
                 "--shutdown-timeout-s",
@@ -86,10 +94,14 @@ class Workers:
 
 
 class Probe:
-    """Reads the database with a fresh, retried connection: it must survive PostgreSQL restarts."""
+    """Reads the database with a fresh, retried connection: it must survive PostgreSQL restarts.
 
-    def __init__(self, url: str) -> None:
+    `scope` is the workload handler's scope (its tenants' claims are under `<scope>/`).
+    """
+
+    def __init__(self, url: str, *, scope: str = SCOPE) -> None:
         self.url = url
+        self.scope = scope
 
     async def fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         last: Exception | None = None
@@ -115,7 +127,7 @@ class Probe:
             await self.value(
                 "SELECT count(*) FROM dedupe_claims"
                 " WHERE status <> 'in_progress' AND starts_with(scope, $1)",
-                f"{SCOPE}/",
+                f"{self.scope}/",
             )
         )
 
@@ -270,7 +282,7 @@ async def check_claims(probe: Probe, workload: Workload) -> list[str]:
     claimed = {
         r["key"]
         for r in await probe.fetch(
-            "SELECT key FROM dedupe_claims WHERE starts_with(scope, $1)", f"{SCOPE}/"
+            "SELECT key FROM dedupe_claims WHERE starts_with(scope, $1)", f"{probe.scope}/"
         )
     }
     # The hostile keys themselves cannot be stored (NUL, a surrogate) or are not expected
@@ -283,7 +295,7 @@ async def check_claims(probe: Probe, workload: Workload) -> list[str]:
     rows = await probe.fetch(
         "SELECT key, status, result::text AS result FROM dedupe_claims"
         " WHERE starts_with(scope, $1) AND key = ANY($2::text[])",
-        f"{SCOPE}/",
+        f"{probe.scope}/",
         sorted(workload.hostile_results),
     )
     stored = {r["key"]: (r["status"], r["result"]) for r in rows}

@@ -19,6 +19,7 @@ from consumers.rabbitmq import RabbitMQPublisher
 from dedupe import App, Context
 from dedupe.effects import _NAMESPACE, StepError
 from dedupe.pipeline import Processor
+from dedupe.sql import queries
 from dedupe.store import ClaimRequest, ClaimStore
 from dedupe.transport import Action, Publisher, Reason
 from tests.conftest import delete_channel_everywhere, eventually, running
@@ -170,6 +171,80 @@ async def test_a_refused_publish_is_retried_counted_and_never_dropped(
         assert processor.relay.stats.refused == 2
     assert len(publisher.sent) == 1
     assert await orders.fetchval("SELECT attempts FROM dedupe_outbox") == 2
+
+
+async def test_runs_that_only_publish_share_their_completion_transactions(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """A run whose only write is a publish costs no transaction of its own: the batch's
+    completions and their outbox rows commit together (the rows of one transaction share
+    its now()), and every row is relayed."""
+    app = App("shop")
+
+    @app.handler(CH)
+    async def notify(payload: Order, ctx: Context) -> None:
+        await ctx.publish("emails", {"order": ctx.key})
+
+    publisher = Recording()
+    async with Processor(app, store, publisher=publisher) as processor:
+        await processor.process(CH, [order(f"o-{i}", i) for i in range(50)])
+
+        async def relayed() -> bool:
+            return len(publisher.sent) == 50
+
+        await eventually(relayed, timeout_s=10)
+    transactions = await orders.fetchval("SELECT count(DISTINCT created_at) FROM dedupe_outbox")
+    assert transactions <= 10, f"{transactions} transactions for 50 runs"
+    assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox") == 50
+
+
+@pytest.mark.parametrize(
+    ("what", "publish"),
+    [
+        ("a NUL in the key", {"key": "a\x00b"}),
+        ("a lone surrogate in the channel", {"channel": "emails\ud800"}),
+        ("a NUL in a header", {"headers": {"x-note": "a\x00b"}}),
+    ],
+)
+async def test_a_publish_the_outbox_cannot_store_is_an_error_at_the_call(
+    store: ClaimStore, orders: asyncpg.Connection, what: str, publish: dict[str, Any]
+) -> None:
+    """A channel, key or header PostgreSQL cannot hold fails the attempt with a clear error
+    (dead-lettered after its attempts), never a completion that fails again at each delivery."""
+    app = App("shop")
+
+    @app.handler(CH, max_attempts=2, backoff_s=0.01, max_backoff_s=0.01)
+    async def notify(payload: Order, ctx: Context) -> None:
+        options = dict(publish)
+        await ctx.publish(options.pop("channel", "emails"), {"n": 1}, **options)
+
+    async with Processor(app, store, publisher=Recording()) as processor:
+        delivery = order("o-bad")
+        await processor.process(CH, [delivery])
+    outcome = delivery.settlements[-1]
+    assert outcome.action is Action.DEAD_LETTER, (what, outcome)
+    assert "ctx.publish" in (outcome.detail or "")
+    assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox") == 0
+
+
+async def test_the_relays_take_costs_its_batch_not_the_backlog(
+    orders: asyncpg.Connection,
+) -> None:
+    """Draining a large backlog, every round of the relay looks up the rows of the producers
+    it took by index: it never scans the backlog (nor the sent rows kept for days), so a
+    backlog drains in time proportional to its size."""
+    await orders.execute(
+        "INSERT INTO dedupe_outbox (producer, channel, message_id, body, sent_at, expires_at)"
+        " SELECT 'p' || g, 'emails', 'm' || g, 'x', CASE WHEN g % 4 = 0 THEN now() END,"
+        "        now() + interval '1 day'"
+        "   FROM generate_series(1, 40000) AS g"
+    )
+    await orders.execute("ANALYZE dedupe_outbox")
+    async with orders.transaction():
+        plan = await orders.fetch("EXPLAIN " + queries("outbox.sql")["take"], 200)
+    text = "\n".join(row[0] for row in plan)
+    assert "Seq Scan on dedupe_outbox" not in text, text
+    assert "Index Cond: (producer = " in text, text
 
 
 def real_publisher(broker: Broker) -> Publisher:

@@ -192,6 +192,39 @@ async def test_a_dead_letter_the_broker_refused_is_held_and_tried_again_with_bac
     assert (h.work.position(), h.work.held_count) == (2, 0)
 
 
+def answered(delivery: KafkaDelivery) -> Settlement:
+    return Settlement(Action.ACK, result='{"fee": 1}')
+
+
+async def test_a_reply_the_broker_refused_holds_the_request_and_tries_again_with_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An acked request whose reply did not reach the broker is not done: its offset stays,
+    it runs again later (a duplicate, answered from the stored result) until the reply is
+    written; the records after it are done meanwhile."""
+    monkeypatch.setattr("consumers.kafka_partition.DEAD_LETTER_RETRY_S", 0.2)
+    h = Harness(decide=answered)
+    sent: list[tuple[int, str]] = []
+    written = [False]
+
+    async def reply(record: Record, result: str, closing: Callable[[], bool]) -> bool:
+        sent.append((record.offset, result))
+        return written[0] or record.offset != 0
+
+    h.work._reply = reply
+    await h.run(records("a", "b"))
+    assert sent == [(0, '{"fee": 1}'), (1, '{"fee": 1}')]
+    assert (h.work.position(), h.work.held_count) == (0, 1)
+    await asyncio.sleep(0.35)
+    await h.idle()
+    assert [offset for offset, _ in sent] == [0, 1, 0]  # tried again after 0.2 s
+    written[0] = True
+    await asyncio.sleep(0.5)  # then after 0.4 s (doubling): through
+    await h.idle()
+    assert [offset for offset, _ in sent] == [0, 1, 0, 0]
+    assert (h.work.position(), h.work.held_count) == (2, 0)
+
+
 async def test_a_settle_that_raises_holds_the_message_to_run_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
