@@ -21,6 +21,7 @@ from .errors import DedupeError, LeaseLost, StoreError
 from .outbox import Outgoing
 from .sql import queries
 from .store import Fence
+from .values import step_json
 
 T = TypeVar("T")
 
@@ -120,12 +121,9 @@ class RunEffects:
             if inspect.isawaitable(value):
                 value = await value
         try:
-            text = pydantic_core.to_json(value, inf_nan_mode="null").decode()
-        except (pydantic_core.PydanticSerializationError, ValueError) as exc:
-            raise StepError(
-                f"ctx.step({name!r}): its result must be JSON (a model, dict, list, str, number, "
-                f"bool or None), not {type(value).__name__}"
-            ) from exc
+            text = step_json(value)
+        except ValueError as exc:
+            raise StepError(f"ctx.step({name!r}): {exc}") from exc
         stored = await self._fetch(
             "record_step", self.fence.scope, self.fence.key, name, self.fence.token, text
         )

@@ -10,6 +10,7 @@ statement is sent.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any
 
@@ -113,9 +114,12 @@ def _depth(text: str) -> int:
     return deepest
 
 
+DROPPED = "dedupe_result_dropped"
+
+
 def dropped_result(why: str) -> str:
     """The JSON kept in place of a result the claims table cannot hold."""
-    return pydantic_core.to_json({"dedupe_result_dropped": storable_text(why, 300)}).decode()
+    return pydantic_core.to_json({DROPPED: storable_text(why, 300)}).decode()
 
 
 def storable_json(text: str) -> str:
@@ -157,6 +161,31 @@ def encode_result(value: Any) -> str:
     return storable_json(text)
 
 
+def step_json(value: Any) -> str:
+    """A durable step's result as JSON `jsonb` holds as it is; ValueError says why not.
+
+    Unlike a handler's result, which is stored in some form whatever it is, a step's result is
+    returned to later attempts in place of calling the step again: it must be JSON, and one too
+    large or too deep to store is refused rather than replaced by a marker. Text the database
+    cannot hold (NUL, lone surrogates) is replaced character by character (U+FFFD), and the
+    step returns it so replaced on its first run too.
+    """
+    try:
+        text = pydantic_core.to_json(value, inf_nan_mode="null").decode()
+    except (pydantic_core.PydanticSerializationError, RecursionError, ValueError):
+        try:
+            text = pydantic_core.to_json(_mend(value), inf_nan_mode="null").decode()
+        except (pydantic_core.PydanticSerializationError, RecursionError, ValueError) as exc:
+            raise ValueError(
+                "its result must be JSON (a model, dict, list, str, number, bool or None), "
+                f"not {type(value).__name__}"
+            ) from exc
+    stored = storable_json(text)
+    if stored is not text and stored.startswith(f'{{"{DROPPED}"'):
+        raise ValueError(f"its result cannot be stored: {json.loads(stored)[DROPPED]}")
+    return stored
+
+
 def _mend(value: Any) -> Any:
     """The value with every string in it (object keys too) made storable."""
     if isinstance(value, str):
@@ -179,6 +208,7 @@ __all__ = [
     "check_claimable",
     "dropped_result",
     "encode_result",
+    "step_json",
     "storable_json",
     "storable_text",
 ]

@@ -22,6 +22,7 @@ from dedupe.pipeline import Processor
 from dedupe.sql import queries
 from dedupe.store import ClaimRequest, ClaimStore
 from dedupe.transport import Action, Publisher, Reason
+from dedupe.values import MAX_RESULT_BYTES
 from tests.conftest import delete_channel_everywhere, eventually, running
 from tests.integration.brokers import Broker
 
@@ -375,6 +376,50 @@ async def test_a_step_result_that_is_not_json_is_an_error_at_the_call(store: Cla
     assert outcome.reason is Reason.HANDLER_ERROR
     assert "must be JSON" in (outcome.detail or "")
     assert StepError.__name__ in (outcome.detail or "")
+
+
+async def test_a_step_result_with_a_nul_is_stored_mended_and_the_same_on_every_attempt(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A step returning text the database cannot hold (NUL, a lone surrogate) records it with
+    U+FFFD in their place, and the first run gets what later attempts get; before, the record
+    failed as 'claim store unavailable' and the provider was called again at every delivery."""
+    calls: list[str] = []
+    seen: list[Any] = []
+    app = App("pay")
+
+    @app.handler(CH, max_attempts=3, backoff_s=0.01)
+    async def charge(payload: Order, ctx: Context) -> None:
+        def provider() -> dict[str, str]:
+            calls.append(ctx.key)
+            return {"id": "ch\x00\ud800x"}
+
+        seen.append(await ctx.step("charge", provider))
+        if ctx.attempt == 1:
+            raise RuntimeError("the run fails after its step")
+
+    async with Processor(app, store) as p:
+        delivery = order("p-nul")
+        await p.process(CH, [delivery])  # attempt 1 fails after its step; attempt 2 completes
+        assert delivery.settlements[-1].action is Action.ACK
+    assert calls == ["p-nul"]
+    assert seen == [{"id": "ch\ufffd\ufffdx"}] * 2
+    assert await db.fetchval("SELECT result->>'id' FROM dedupe_steps") == "ch\ufffd\ufffdx"
+
+
+async def test_a_step_result_too_large_to_store_is_an_error_at_the_call(store: ClaimStore) -> None:
+    app = App("pay")
+
+    @app.handler(CH, retry_on=())
+    async def charge(payload: Order, ctx: Context) -> None:
+        await ctx.step("charge", lambda: "x" * (MAX_RESULT_BYTES + 1))
+
+    async with Processor(app, store) as p:
+        delivery = order("p-big")
+        await p.process(CH, [delivery])
+    outcome = delivery.settlements[-1]
+    assert outcome.reason is Reason.HANDLER_ERROR
+    assert "cannot be stored" in (outcome.detail or "")
 
 
 async def test_a_zombies_step_is_refused_and_not_trusted_by_the_next_owner(

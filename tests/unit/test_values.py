@@ -85,3 +85,14 @@ def test_storable_text_replaces_and_cuts() -> None:
     """Error texts and details lose NUL and surrogates and keep at most `limit` characters."""
     assert storable_text("a\x00b\ud800", 10) == "a\ufffdb\ufffd"
     assert storable_text("abcdef", 3) == "abc"
+
+
+def test_a_step_result_is_mended_refused_when_too_large_and_refused_when_not_json() -> None:
+    from dedupe.values import MAX_RESULT_BYTES, step_json
+
+    assert json.loads(step_json({"id": "a\x00b\ud800"})) == {"id": "a\ufffdb\ufffd"}
+    assert step_json(None) == "null"
+    with pytest.raises(ValueError, match="cannot be stored"):
+        step_json("x" * (MAX_RESULT_BYTES + 1))
+    with pytest.raises(ValueError, match="must be JSON"):
+        step_json(object())
