@@ -166,22 +166,34 @@ class Relay:
                     await self._wake.wait()
             self._wake.clear()
             try:
-                while await self.relay_once() >= self.batch and not self._stopping:
-                    pass  # a full batch: more may be waiting
+                # A full batch that moved: more may be waiting. One that took rows and sent
+                # none (a broker refusing them) waits for the next wake or interval.
+                while not self._stopping:
+                    took, moved = await self._round()
+                    if took < self.batch or not moved:
+                        break
                 failures = 0
             except StoreError as exc:
                 failures = min(failures + 1, 5)
                 logger.warning("outbox relay: %s", exc)
+            except Exception:  # a bug or a publisher's surprise must not end the relaying
+                failures = min(failures + 1, 5)
+                logger.exception("outbox relay: unexpected error; trying again")
             if self._stopping:
                 return
 
     async def relay_once(self) -> int:
         """Take, publish and mark one batch; return how many rows it took."""
+        took, _ = await self._round()
+        return took
+
+    async def _round(self) -> tuple[int, int]:
+        """One batch: (rows taken, rows sent or refused)."""
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 rows = list(await conn.fetch(self._q["take"], self.batch))
                 if not rows:
-                    return 0
+                    return 0, 0
                 sent, refused = await self._publish(rows)
                 if sent:
                     await conn.execute(self._q["sent"], sent)
@@ -193,7 +205,7 @@ class Relay:
             ) from exc
         self.stats.sent += len(sent)
         self.stats.refused += len(refused)
-        return len(rows)
+        return len(rows), len(sent) + len(refused)
 
     async def _publish(
         self, rows: Sequence[asyncpg.Record]

@@ -12,17 +12,19 @@ SELECT producer, channel, message_id, body, headers::jsonb, content_type,
 -- name: take
 -- The relay's next rows, inside its transaction: whole producers at a time (an advisory lock
 -- per producer keeps a producer's rows with one relay, in order), the producers' unsent rows
--- in id order, due now, locked until the relay commits that they were sent.
--- A producer is a candidate when one of its rows is due; the relay stops at a producer's first
--- row not due (a refused one waiting out its backoff), so its later rows never overtake it.
--- The producers' rows are looked up by dedupe_outbox_producer_unsent_idx: a round costs its
--- batch, not the backlog.
+-- in id order, locked until the relay commits that they were sent.
+-- A producer is a candidate when its first unsent row is due: one whose head waits out a
+-- refusal's backoff is not taken at all (its later rows never overtake it, and it takes no
+-- round's room from the producers that can go). The heads are found among the first due rows
+-- by dedupe_outbox_producer_unsent_idx: a round costs its batch, not the backlog.
 WITH candidates AS (
-    SELECT producer, min(id) AS first
+    SELECT due.producer, due.id AS first
       FROM (SELECT id, producer FROM dedupe_outbox
              WHERE sent_at IS NULL AND next_try_at <= now() ORDER BY id LIMIT $1 * 4) AS due
-     GROUP BY producer
-     ORDER BY first
+     WHERE NOT EXISTS (SELECT 1 FROM dedupe_outbox earlier
+                        WHERE earlier.producer = due.producer AND earlier.sent_at IS NULL
+                          AND earlier.id < due.id)
+     ORDER BY due.id
      LIMIT $1
 ), mine AS (
     SELECT producer FROM candidates
@@ -41,11 +43,19 @@ UPDATE dedupe_outbox SET sent_at = now(), last_error = NULL
  WHERE id = ANY($1::bigint[]);
 
 -- name: refused
--- A publish the broker refused: tried again after a backoff; counted, never dropped.
-UPDATE dedupe_outbox
-   SET attempts = attempts + 1, last_error = $2,
-       next_try_at = now() + make_interval(secs => least(60, 0.5 * 2 ^ least(attempts, 7)))
- WHERE id = $1;
+-- A publish the broker refused: tried again after a backoff; counted, never dropped. The
+-- producer's later unsent rows wait as long (they go after it, and the due rows a round looks
+-- at are then rows that can go).
+WITH refused AS (
+    UPDATE dedupe_outbox
+       SET attempts = attempts + 1, last_error = $2,
+           next_try_at = now() + make_interval(secs => least(60, 0.5 * 2 ^ least(attempts, 7)))
+     WHERE id = $1
+ RETURNING producer, next_try_at
+)
+UPDATE dedupe_outbox later SET next_try_at = greatest(later.next_try_at, refused.next_try_at)
+  FROM refused
+ WHERE later.producer = refused.producer AND later.sent_at IS NULL AND later.id > $1;
 
 -- name: backlog
 -- Operators' view (metrics, status): unsent rows, the oldest one's age (the relay's lag) and

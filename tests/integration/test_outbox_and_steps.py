@@ -174,6 +174,54 @@ async def test_a_refused_publish_is_retried_counted_and_never_dropped(
     assert await orders.fetchval("SELECT attempts FROM dedupe_outbox") == 2
 
 
+class RefusingChannel(Recording):
+    """A broker that refuses one channel for good (a topic it will not create, say)."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__()
+        self.refused = refused
+        self.tries = 0
+
+    async def publish(
+        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
+    ) -> None:
+        if channel == self.refused:
+            self.tries += 1
+            raise ConnectionError("broker refused (simulated)")
+        await super().publish(channel, body, message_id=message_id, headers=headers)
+
+
+async def test_a_producer_stuck_on_a_refused_row_neither_stalls_the_others_nor_spins(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """A producer whose first row the broker refuses has more rows than a relay's round: the
+    producers after it are relayed all the same, and the relay does not spin on it (before,
+    every round took the stuck producer's later rows again, sent nothing and went straight on
+    to the next round)."""
+    from dedupe.outbox import Outgoing, Relay, add
+
+    def row(producer: str, channel: str, i: int) -> Outgoing:
+        return Outgoing(producer, channel, f"{producer}/{i}", b"{}", {}, None)
+
+    async with store.pool.acquire() as conn, conn.transaction():
+        await add(conn, [row("stuck", "refused", 0)], retention_s=60)
+        await add(conn, [row("stuck", "emails", i) for i in range(1, 40)], retention_s=60)
+        await add(conn, [row(f"p{i}", "emails", 0) for i in range(5)], retention_s=60)
+    publisher = RefusingChannel("refused")
+    async with Relay(store.pool, publisher, batch=8, interval_s=0.05) as relay:
+        relay.wake()
+
+        async def others_sent() -> bool:
+            return len(publisher.sent) == 5
+
+        await eventually(others_sent, timeout_s=5)
+        await asyncio.sleep(0.5)
+    assert sorted(m for _, _, m, _ in publisher.sent) == [f"p{i}/0" for i in range(5)]
+    assert publisher.tries <= 2, f"the refused row was tried {publisher.tries} times in 1 s"
+    assert relay.stats.refused == publisher.tries
+    assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox WHERE sent_at IS NULL") == 40
+
+
 async def test_runs_that_only_publish_share_their_completion_transactions(
     store: ClaimStore, orders: asyncpg.Connection
 ) -> None:
