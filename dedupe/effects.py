@@ -127,6 +127,8 @@ class RunEffects:
         stored = await self._fetch(
             "record_step", self.fence.scope, self.fence.key, name, self.fence.token, text
         )
+        if stored:  # as jsonb keeps it (its number spelling, its key order): what retries get
+            return json.loads(stored[0]["result"])
         if not stored:
             [again] = await self._fetch(
                 "step_result", self.fence.scope, self.fence.key, name, self.fence.token

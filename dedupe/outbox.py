@@ -167,10 +167,11 @@ class Relay:
             self._wake.clear()
             try:
                 # A full batch that moved: more may be waiting. One that took rows and sent
-                # none (a broker refusing them) waits for the next wake or interval.
-                while not self._stopping:
+                # none waits for the next wake or interval. Stopping, one round still runs:
+                # it relays what was committed before the stop.
+                while True:
                     took, moved = await self._round()
-                    if took < self.batch or not moved:
+                    if self._stopping or took < self.batch or not moved:
                         break
                 failures = 0
             except StoreError as exc:
@@ -221,18 +222,28 @@ class Relay:
                 for row in chain:
                     if not row["due"]:
                         return
-                    headers = json.loads(row["headers"])
-                    if row["content_type"]:
-                        headers.setdefault("content-type", row["content_type"])
                     try:
+                        headers = json.loads(row["headers"])
+                        if row["content_type"]:
+                            headers.setdefault("content-type", row["content_type"])
                         await self.publisher.publish(
                             row["channel"],
                             bytes(row["body"]),
                             message_id=row["message_id"],
                             headers=headers,
                         )
+                    except asyncio.CancelledError as exc:
+                        task = asyncio.current_task()
+                        if task is not None and task.cancelling():
+                            raise  # the relay itself is stopped
+                        # A client that cancels its pending confirms when the connection
+                        # drops: a refusal, not the end of the relay.
+                        refused.append((row["id"], _error(exc)))
+                        return
                     except Exception as exc:
-                        error = storable_text(f"{exc.__class__.__name__}: {exc}", 500)
+                        # Anything else, here, fails this producer's row alone: no sibling
+                        # is left publishing on a round that is rolled back.
+                        error = _error(exc)
                         logger.warning(
                             "outbox relay: %s refused message %s (%s); trying again later",
                             row["channel"],
@@ -248,6 +259,14 @@ class Relay:
             by_producer.setdefault(row["producer"], []).append(row)
         await asyncio.gather(*(one_producer(chain) for chain in by_producer.values()))
         return sent, refused
+
+
+def _error(exc: BaseException) -> str:
+    try:
+        text = f"{exc.__class__.__name__}: {exc}"
+    except Exception:  # an exception whose str() fails
+        text = exc.__class__.__name__
+    return storable_text(text, 500)
 
 
 async def backlog(pool: asyncpg.Pool | asyncpg.Connection) -> dict[str, Any]:

@@ -10,7 +10,6 @@ statement is sent.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Any
 
@@ -114,7 +113,7 @@ def _depth(text: str) -> int:
     return deepest
 
 
-DROPPED = "dedupe_result_dropped"
+DROPPED = "dedupe_result_dropped"  # the key of the marker stored in place of a result
 
 
 def dropped_result(why: str) -> str:
@@ -162,13 +161,12 @@ def encode_result(value: Any) -> str:
 
 
 def step_json(value: Any) -> str:
-    """A durable step's result as JSON `jsonb` holds as it is; ValueError says why not.
+    """A durable step's result as JSON `jsonb` takes; ValueError when it is not JSON.
 
-    Unlike a handler's result, which is stored in some form whatever it is, a step's result is
-    returned to later attempts in place of calling the step again: it must be JSON, and one too
-    large or too deep to store is refused rather than replaced by a marker. Text the database
-    cannot hold (NUL, lone surrogates) is replaced character by character (U+FFFD), and the
-    step returns it so replaced on its first run too.
+    The step's function has already run, so nothing `jsonb` can hold is refused: unlike a
+    handler's result there is no size, depth or number policy here (refusing would make the
+    next attempt call the step again). Text the database cannot hold (NUL, lone surrogates)
+    is replaced character by character (U+FFFD).
     """
     try:
         text = pydantic_core.to_json(value, inf_nan_mode="null").decode()
@@ -177,13 +175,12 @@ def step_json(value: Any) -> str:
             text = pydantic_core.to_json(_mend(value), inf_nan_mode="null").decode()
         except (pydantic_core.PydanticSerializationError, RecursionError, ValueError) as exc:
             raise ValueError(
-                "its result must be JSON (a model, dict, list, str, number, bool or None), "
-                f"not {type(value).__name__}"
+                "its result must be JSON (a model, dict, list, str, number, bool or None) "
+                f"nested at most 254 levels, not this {type(value).__name__} ({exc})"
             ) from exc
-    stored = storable_json(text)
-    if stored is not text and stored.startswith(f'{{"{DROPPED}"'):
-        raise ValueError(f"its result cannot be stored: {json.loads(stored)[DROPPED]}")
-    return stored
+    if "u0000" in text:
+        text = _NUL_ESCAPE.sub(_keep_escaped_backslashes, text)
+    return text
 
 
 def _mend(value: Any) -> Any:

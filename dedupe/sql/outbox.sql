@@ -45,11 +45,13 @@ UPDATE dedupe_outbox SET sent_at = now(), last_error = NULL
 -- name: refused
 -- A publish the broker refused: tried again after a backoff; counted, never dropped. The
 -- producer's later unsent rows wait as long (they go after it, and the due rows a round looks
--- at are then rows that can go).
+-- at are then rows that can go). The backoff counts from now, not from the round's start
+-- (now() is the transaction's): a round as long as a publish timeout must not use it up.
 WITH refused AS (
     UPDATE dedupe_outbox
        SET attempts = attempts + 1, last_error = $2,
-           next_try_at = now() + make_interval(secs => least(60, 0.5 * 2 ^ least(attempts, 7)))
+           next_try_at = clock_timestamp()
+                         + make_interval(secs => least(60, 0.5 * 2 ^ least(attempts, 7)))
      WHERE id = $1
  RETURNING producer, next_try_at
 )
@@ -100,4 +102,4 @@ WITH ours AS (
 INSERT INTO dedupe_steps (scope, key, name, result, token)
 SELECT $1, $2, $3, $5::text::jsonb, $4 FROM ours
     ON CONFLICT (scope, key, name) DO NOTHING
-RETURNING 1;
+RETURNING result::text AS result;

@@ -54,7 +54,7 @@ async def test_the_payments_handler_is_exactly_once_through_every_crash_point(
         external=recorder,
     )
     assert report.ok
-    assert recorder.keys() == ["pay-1"]
+    assert recorder.keys() == ["pay-1/charge"]
 
 
 async def test_a_charge_is_recorded_with_its_charge_id_and_stored_as_the_result(
@@ -67,7 +67,7 @@ async def test_a_charge_is_recorded_with_its_charge_id_and_stored_as_the_result(
         [row] = await run.fetch(EFFECTS)
         result = await run.result("pay-1")
     assert result == {"charge_id": row["charge_id"]}
-    assert tuple(row)[:3] == ("pay-1", "cus-1", 1250) and row["idempotency_key"] == "pay-1"
+    assert tuple(row)[:3] == ("pay-1", "cus-1", 1250) and row["idempotency_key"] == "pay-1/charge"
 
 
 async def test_a_charge_the_provider_keeps_refusing_is_dead_lettered_after_three_calls(
@@ -84,7 +84,7 @@ async def test_a_charge_the_provider_keeps_refusing_is_dead_lettered_after_three
         assert await run.fetchval("SELECT count(*) FROM charges") == 0
         [claim] = await run.claims()
         assert (claim.status, claim.attempts) == ("failed", 3)
-    assert [call.key for call in recorder.calls] == ["pay-poison"] * 3
+    assert [call.key for call in recorder.calls] == ["pay-poison/charge"] * 3
 
 
 async def test_a_payment_without_a_positive_amount_is_dead_lettered_uncharged(

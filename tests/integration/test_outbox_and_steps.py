@@ -217,9 +217,54 @@ async def test_a_producer_stuck_on_a_refused_row_neither_stalls_the_others_nor_s
         await eventually(others_sent, timeout_s=5)
         await asyncio.sleep(0.5)
     assert sorted(m for _, _, m, _ in publisher.sent) == [f"p{i}/0" for i in range(5)]
-    assert publisher.tries <= 2, f"the refused row was tried {publisher.tries} times in 1 s"
+    assert publisher.tries <= 3, f"the refused row was tried {publisher.tries} times in 1 s"
     assert relay.stats.refused == publisher.tries
     assert await orders.fetchval("SELECT count(*) FROM dedupe_outbox WHERE sent_at IS NULL") == 40
+
+
+async def test_a_relay_stopped_right_after_a_commit_relays_what_was_committed(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """Stopping, the relay still runs a round: rows committed before the stop go out (a worker
+    that drains and stops leaves nothing for the next start)."""
+    from dedupe.outbox import Outgoing, Relay, add
+
+    async with store.pool.acquire() as conn, conn.transaction():
+        await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
+    publisher = Recording()
+    async with Relay(store.pool, publisher, interval_s=30) as relay:
+        relay.wake()
+    assert [m for _, _, m, _ in publisher.sent] == ["p/0"]
+
+
+class CancellingConfirms(Recording):
+    """A client that cancels its pending confirm when its connection drops, once."""
+
+    async def publish(
+        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
+    ) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise asyncio.CancelledError()
+        await super().publish(channel, body, message_id=message_id, headers=headers)
+
+
+async def test_a_publish_cancelled_by_its_client_is_a_refusal_not_the_end_of_the_relay(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    from dedupe.outbox import Outgoing, Relay, add
+
+    async with store.pool.acquire() as conn, conn.transaction():
+        await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
+    publisher = CancellingConfirms(fail=1)
+    async with Relay(store.pool, publisher, interval_s=0.05) as relay:
+        relay.wake()
+
+        async def sent() -> bool:
+            return len(publisher.sent) == 1
+
+        await eventually(sent, timeout_s=5)
+    assert relay.stats.refused == 1
 
 
 async def test_runs_that_only_publish_share_their_completion_transactions(
@@ -455,19 +500,34 @@ async def test_a_step_result_with_a_nul_is_stored_mended_and_the_same_on_every_a
     assert await db.fetchval("SELECT result->>'id' FROM dedupe_steps") == "ch\ufffd\ufffdx"
 
 
-async def test_a_step_result_too_large_to_store_is_an_error_at_the_call(store: ClaimStore) -> None:
+async def test_a_large_step_result_is_kept_and_every_attempt_gets_it_as_stored(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A step's result over a handler result's limit (1 MiB) is kept whole: the step ran, so
+    refusing it would call the provider again. The first run gets what jsonb kept (its number
+    spelling, its key order), as every later attempt does."""
+    calls: list[str] = []
+    seen: list[Any] = []
     app = App("pay")
 
-    @app.handler(CH, retry_on=())
+    @app.handler(CH, max_attempts=3, backoff_s=0.01)
     async def charge(payload: Order, ctx: Context) -> None:
-        await ctx.step("charge", lambda: "x" * (MAX_RESULT_BYTES + 1))
+        def provider() -> dict[str, Any]:
+            calls.append(ctx.key)
+            return {"receipt": "r" * (MAX_RESULT_BYTES + 1), "amount": 1e16}
+
+        got = await ctx.step("charge", provider)
+        seen.append((len(got["receipt"]), got["amount"], type(got["amount"]).__name__))
+        if ctx.attempt == 1:
+            raise RuntimeError("the run fails after its step")
 
     async with Processor(app, store) as p:
         delivery = order("p-big")
         await p.process(CH, [delivery])
-    outcome = delivery.settlements[-1]
-    assert outcome.reason is Reason.HANDLER_ERROR
-    assert "cannot be stored" in (outcome.detail or "")
+        assert delivery.settlements[-1].action is Action.ACK
+    assert calls == ["p-big"]
+    assert len(seen) == 2
+    assert seen[0] == seen[1], seen
 
 
 async def test_a_zombies_step_is_refused_and_not_trusted_by_the_next_owner(
