@@ -133,32 +133,47 @@ class FlushingObserver(Observer):
 
     task_name = "dedupe-flush"
     interval_s: float = 5.0
+    stop_timeout_s: float = 10.0
     _task: asyncio.Task[None] | None = None
+    _stop: asyncio.Event | None = None
 
     async def flush(self) -> None:
         """Write what was buffered; raise StoreError when the database refuses."""
         raise NotImplementedError
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
+    async def _loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await stop.wait()
             try:
                 await self.flush()
             except StoreError as exc:
                 _flush_logger.warning("%s", exc)
 
     async def __aenter__(self) -> Self:
-        self._task = asyncio.create_task(self._loop(), name=self.task_name)
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(self._stop), name=self.task_name)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        """The loop's last flush, after the stop; a flush under way is not cut short (a
+        cancelled one lost what it had taken, such as a duplicate's trace), unless it takes
+        longer than `stop_timeout_s`."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        assert self._stop is not None
+        self._stop.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.stop_timeout_s)
+        except TimeoutError:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        with contextlib.suppress(StoreError):
-            await self.flush()
+                await task
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
 
 
 __all__ = ["FlushingObserver", "Observer", "Observers", "OutcomeLog", "outcome_of"]
