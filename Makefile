@@ -55,7 +55,7 @@ BENCH_N ?= 20000
 BENCH_RESULTS ?= bench/results
 .PHONY: bench bench-memory bench-core bench-report
 
-bench: install services  ## every target beside its baseline, tables and PNG plots (BENCH_N=20000; ~12 min)
+bench: install services  ## every target beside its baseline, tables and PNG plots (BENCH_N=20000; ~17 min)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	BENCH_N=$(BENCH_N) BENCH_RESULTS=$(BENCH_RESULTS) $(BIN)/python -m bench.run
 	$(BIN)/python -m bench.http_api --requests $${BENCH_HTTP_N:-3000}
