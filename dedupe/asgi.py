@@ -36,15 +36,16 @@ from .asgi_run import (
     STORE_TIMEOUT_S,
     ASGIApp,
     HttpLeases,
-    Idempotency,
     KeyedRun,
     Receive,
     Scope,
     run_unkeyed,
 )
+from .asgi_state import Idempotency
 from .claiming import Claims, InFlight, Ours, Terms, Unavailable, Verdict
 from .context import Database
 from .database import connect_pool
+from .effects import RunEffects
 from .errors import ConfigurationError, StoreError
 from .keys import KeySpec, compile_key
 from .metrics import Metrics
@@ -292,9 +293,6 @@ class IdempotencyMiddleware:
                 return await answer(send, in_flight(), "in_flight")
             attempt = counted
         db = Database(store.pool)
-        scope.setdefault("state", {})["idempotency"] = Idempotency(
-            db=db, key=request.key, scope=request.scope, attempt=attempt
-        )
         run = KeyedRun(
             app=self.app,
             store=store,
@@ -305,6 +303,10 @@ class IdempotencyMiddleware:
             max_response_bytes=MAX_RESPONSE_BYTES,
             db=db,
             send=send,
+        )
+        run.effects = RunEffects(db, verdict.fence, cancel=run.lose)
+        scope.setdefault("state", {})["idempotency"] = Idempotency(
+            db=db, key=request.key, scope=request.scope, attempt=attempt, effects=run.effects
         )
         sent = False
 

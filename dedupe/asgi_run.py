@@ -11,8 +11,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import outbox
 from .asgi_replies import ASGIMessage, Problem, Send, StoredResponse, in_flight, unavailable
+from .asgi_state import Idempotency
 from .context import Database
+from .effects import RunEffects
 from .errors import StoreError
 from .store import ClaimStore, Fence
 
@@ -28,16 +31,6 @@ STORE_TIMEOUT_S = 5.0
 STREAMED_TYPES = (b"text/event-stream",)
 # Send extensions that hand the server a file instead of body messages: not buffered here.
 UNBUFFERED_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
-
-
-@dataclass(frozen=True, slots=True)
-class Idempotency:
-    """`request.state.idempotency`: the transaction the response commits in, and the key."""
-
-    db: Database
-    key: str | None  # None: the request carried no Idempotency-Key (it runs unprotected)
-    scope: str | None
-    attempt: int = 1  # runs of this key so far, this one included
 
 
 # -- leases ----------------------------------------------------------------------------------
@@ -110,6 +103,7 @@ class KeyedRun:
     max_response_bytes: int
     db: Database
     send: Send
+    effects: RunEffects | None = None  # request.state.idempotency's publishes and steps
     outcome: str = "released_on_error"
     route: str | None = None
     _held: Held | None = None
@@ -164,6 +158,13 @@ class KeyedRun:
         finally:
             self.leases.forget(held)
             await self.db.close()
+
+    def lose(self) -> None:
+        """A step found the key taken over: cancel the endpoint as the heartbeat would."""
+        if self._held is not None:
+            self._held.lost = True
+            if self._held.task is not None:
+                self._held.task.cancel()
 
     # -- the endpoint's send ----------------------------------------------------------------
 
@@ -224,7 +225,7 @@ class KeyedRun:
         whether the endpoint's last message so far said more follows."""
         assert self._start is not None
         self.route = _route_path(self._scope)
-        if self.db.started:
+        if self.db.started or self._outgoing():
             stored = StoredResponse.of(
                 self._status, self._headers, b"", route=self.route, body_kept=False
             )
@@ -258,6 +259,9 @@ class KeyedRun:
 
     # -- outcomes ---------------------------------------------------------------------------
 
+    def _outgoing(self) -> list[outbox.Outgoing]:
+        return self.effects.outgoing if self.effects is not None else []
+
     async def _commit(self, stored: StoredResponse) -> bool:
         """Complete the claim fenced by our token, in the endpoint's transaction when it wrote;
         False (our own answer sent) when the key is no longer ours or the database failed."""
@@ -266,10 +270,12 @@ class KeyedRun:
         outcome = [(self.fence, stored.to_result(), self.retention_s)]
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
-                if self.db.started:
+                outgoing = self._outgoing()
+                if self.db.started or outgoing:
                     conn = await self.db.connection()
                     completed = await self.store.complete(outcome, conn=conn)
                     if completed:
+                        await outbox.add(conn, outgoing, retention_s=self.retention_s)
                         await self.db.commit()
                         await self.db.close()  # a background task after the answer: no tx
                 else:

@@ -80,6 +80,17 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
         body = bytes(range(256)) + b"\x00\xff"
         return Response(body, status_code=202, media_type="application/x-thing")
 
+    @api.post("/notify", status_code=201)
+    async def notify(request: Request, write: bool = True, fail: bool = False) -> Any:
+        """Publishes an e-mail through the outbox (after its insert, or alone), and a step."""
+        idempotency = request.state.idempotency
+        order_id = await _order(request, "notify") if write else None
+        checked = await idempotency.step("check", lambda: {"ok": True})
+        message_id = await idempotency.publish("emails", {"order_id": order_id})
+        if fail:
+            return JSONResponse({"error": "failed after publishing"}, status_code=503)
+        return {"order_id": order_id, "message_id": message_id, "checked": checked}
+
     return api
 
 

@@ -4,6 +4,7 @@ under concurrency, replays byte for byte, conflicts, keys in flight, tenants, re
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -220,3 +221,32 @@ async def test_a_request_without_a_key_runs_in_a_transaction_of_its_own(
     assert failed.status_code == 503
     assert await orders(db) == [("free", None), ("free", None)]
     assert await db.fetchval("SELECT count(*) FROM dedupe_claims") == 0
+
+
+async def test_an_endpoints_publish_commits_with_its_response_once_and_not_on_a_5xx(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """request.state.idempotency.publish is ctx.publish for an endpoint: one outbox row per key
+    (a replay adds none), committed with the response, also without a db write; a 5xx stores
+    nothing; step results are recorded under the request's key; a request without a key
+    cannot publish."""
+    first = await post(api, "n-1", {}, "/notify")
+    again = await post(api, "n-1", {}, "/notify")
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert first.json()["checked"] == {"ok": True}
+    only = await post(api, "n-2", {}, "/notify", params={"write": "false"})
+    assert only.status_code == 201, only.text
+    failed = await post(api, "n-3", {}, "/notify", params={"fail": "true"})
+    assert failed.status_code == 503
+    rows = await db.fetch("SELECT channel, message_id, body FROM dedupe_outbox ORDER BY id")
+    assert [(r["channel"], r["message_id"]) for r in rows] == [
+        ("emails", first.json()["message_id"]),
+        ("emails", only.json()["message_id"]),
+    ]
+    assert first.json()["message_id"] != only.json()["message_id"]
+    assert json.loads(bytes(rows[0]["body"])) == {"order_id": first.json()["order_id"]}
+    assert await db.fetchval("SELECT count(*) FROM dedupe_steps") == 3  # n-3's step stays
+    unkeyed = await post(api, None, {}, "/notify")
+    assert unkeyed.status_code == 500
+    assert await db.fetchval("SELECT count(*) FROM dedupe_outbox") == 2
