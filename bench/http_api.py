@@ -89,7 +89,8 @@ class _OwnTransaction:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        from dedupe.asgi_run import Idempotency, run_unkeyed
+        from dedupe.asgi_run import run_unkeyed
+        from dedupe.asgi_state import Idempotency
         from dedupe.context import Database
 
         db = Database(self.app.state.pool)
