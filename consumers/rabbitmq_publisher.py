@@ -1,4 +1,4 @@
-"""The confirming RabbitMQ publisher of the webhook receiver."""
+"""The confirming RabbitMQ publisher of the webhook receiver and the outbox relay."""
 
 from __future__ import annotations
 
@@ -25,35 +25,54 @@ from .rabbitmq_topology import declare_channel
 
 
 class RabbitMQPublisher:
-    """Publishes with publisher confirms on one robust connection (the webhook receiver's).
+    """Publishes with publisher confirms on one robust connection (the webhook receiver's and
+    the outbox relay's).
 
     Each channel's queues are declared before its first publish; messages are persistent and
     `mandatory`, so a message RabbitMQ cannot route is an error, not a silent drop.
+
+    The publishes are spread over `channels` confirming channels, each to the one with the
+    fewest in flight: aiormq sends one publish at a time per channel and holds the channel
+    until the frame is written, so in a busy event loop (a worker's handlers beside its relay)
+    one channel carries a publish every few loop turns; a few hundred in flight then wait for
+    it, past their timeout. Every publish is confirmed on its own; callers that need an order
+    (the relay, per producer) wait for one confirm before the next publish.
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 5.0, channels: int = 8) -> None:
         self.url = url
         self.timeout_s = timeout_s
         self._connection: AbstractRobustConnection | None = None
-        self._channel: AbstractChannel | None = None
+        self._channels: list[AbstractChannel] = []
+        self._in_flight = [0] * max(1, channels)
         self._declared: set[str] = set()
         self._lock = asyncio.Lock()
 
+    def _open(self) -> bool:
+        return len(self._channels) == len(self._in_flight) and not any(
+            channel.is_closed for channel in self._channels
+        )
+
     async def connect(self) -> None:
-        """Open the connection and the confirming channel unless they are open already."""
-        if self._channel is not None and not self._channel.is_closed:
+        """Open the connection and the confirming channels unless they are open already."""
+        if self._open():
             return
         async with self._lock:
-            if self._channel is not None and not self._channel.is_closed:
+            if self._open():
                 return
             try:
                 if self._connection is None or self._connection.is_closed:
                     self._connection = await aio_pika.connect_robust(
                         self.url, timeout=self.timeout_s
                     )
-                self._channel = await self._connection.channel(
-                    publisher_confirms=True, on_return_raises=True
-                )
+                    self._channels = []
+                self._channels = [channel for channel in self._channels if not channel.is_closed]
+                while len(self._channels) < len(self._in_flight):
+                    self._channels.append(
+                        await self._connection.channel(
+                            publisher_confirms=True, on_return_raises=True
+                        )
+                    )
             except Exception as exc:
                 await self._discard()
                 raise DedupeError(
@@ -66,8 +85,9 @@ class RabbitMQPublisher:
     ) -> None:
         """Return once RabbitMQ has confirmed the message; raise DedupeError otherwise."""
         await self.connect()
-        amqp = self._channel
-        assert amqp is not None
+        slot = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
+        amqp = self._channels[slot]
+        self._in_flight[slot] += 1
         try:
             if channel not in self._declared:
                 await declare_channel(amqp, channel)
@@ -89,6 +109,8 @@ class RabbitMQPublisher:
             raise DedupeError(
                 f"RabbitMQ did not confirm a message to {channel} ({exc.__class__.__name__})"
             ) from exc
+        finally:
+            self._in_flight[slot] -= 1
 
     async def ready(self) -> bool:
         """Whether a publish could go out now (connects if needed)."""
@@ -96,7 +118,7 @@ class RabbitMQPublisher:
             await self.connect()
         except DedupeError:
             return False
-        return self._channel is not None and not self._channel.is_closed
+        return self._open()
 
     async def close(self) -> None:
         """Close the connection; safe to call twice."""
@@ -104,7 +126,7 @@ class RabbitMQPublisher:
             await self._discard()
 
     async def _discard(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
+        connection, self._connection, self._channels = self._connection, None, []
         self._declared.clear()
         if connection is not None:
             with contextlib.suppress(Exception):

@@ -123,14 +123,17 @@ class Relay:
         publisher: Publisher,
         *,
         interval_s: float = 0.5,
-        batch: int = 200,
-        concurrency: int = 64,
+        batch: int = 500,
+        concurrency: int = 256,
     ) -> None:
         self.pool = pool
         self.publisher = publisher
         self.interval_s = interval_s
         self.batch = batch
         self.stats = RelayStats()
+        # Publishes in flight at once, each producer's one after another: a round of
+        # single-row producers (the usual: a run publishes one message) costs a few confirm
+        # round trips, not one per row.
         self._concurrency = concurrency
         self._q = queries("outbox.sql")
         self._wake = asyncio.Event()
@@ -166,12 +169,13 @@ class Relay:
                     await self._wake.wait()
             self._wake.clear()
             try:
-                # A full batch that moved: more may be waiting. One that took rows and sent
-                # none waits for the next wake or interval. Stopping, one round still runs:
-                # it relays what was committed before the stop.
+                # A round that moved rows: more may be waiting (another relay may hold the
+                # producers this one skipped). One that took rows and sent none waits for the
+                # next wake or interval. Stopping, one round still runs: it relays what was
+                # committed before the stop.
                 while True:
-                    took, moved = await self._round()
-                    if self._stopping or took < self.batch or not moved:
+                    _, moved = await self._round()
+                    if self._stopping or not moved:
                         break
                 failures = 0
             except StoreError as exc:

@@ -16,19 +16,23 @@ SELECT producer, channel, message_id, body, headers::jsonb, content_type,
 -- A producer is a candidate when its first unsent row is due: one whose head waits out a
 -- refusal's backoff is not taken at all (its later rows never overtake it, and it takes no
 -- round's room from the producers that can go). The heads are found among the first due rows
--- by dedupe_outbox_producer_unsent_idx: a round costs its batch, not the backlog.
-WITH candidates AS (
+-- (the window) by a sub-plan per row on dedupe_outbox_producer_unsent_idx: a round costs its
+-- window, never a scan of the backlog (a NOT EXISTS was planned as a hash anti-join over all
+-- unsent rows once nothing above it limited its rows).
+-- The locks are tried in id order until $1 producers are ours (the LIMIT stops the scan of
+-- `heads`, so no lock is taken beyond it): a relay whose first candidates another relay holds
+-- takes the next ones in the window, instead of nothing.
+WITH heads AS (
     SELECT due.producer, due.id AS first
       FROM (SELECT id, producer FROM dedupe_outbox
              WHERE sent_at IS NULL AND next_try_at <= now() ORDER BY id LIMIT $1 * 4) AS due
-     WHERE NOT EXISTS (SELECT 1 FROM dedupe_outbox earlier
-                        WHERE earlier.producer = due.producer AND earlier.sent_at IS NULL
-                          AND earlier.id < due.id)
+     WHERE due.id = (SELECT min(head.id) FROM dedupe_outbox head
+                      WHERE head.producer = due.producer AND head.sent_at IS NULL)
      ORDER BY due.id
-     LIMIT $1
 ), mine AS (
-    SELECT producer FROM candidates
+    SELECT producer FROM heads
      WHERE pg_try_advisory_xact_lock(hashtextextended(producer, 7))
+     LIMIT $1
 )
 SELECT o.id, o.producer, o.channel, o.message_id, o.body, o.headers::text AS headers,
        o.content_type, o.attempts, o.next_try_at <= now() AS due

@@ -341,6 +341,32 @@ async def test_the_relays_take_costs_its_batch_not_the_backlog(
     assert "Index Cond: (producer = " in text, text
 
 
+async def test_a_second_relay_takes_the_next_producers_and_no_lock_beyond_its_batch(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """Two relays at once on one backlog: the second takes the producers after the first's
+    (before, both tried the same first candidates, and the second took nothing and waited
+    for its next wake), and each holds the advisory locks of the producers it took only."""
+    from dedupe.outbox import Outgoing, add
+
+    async with store.pool.acquire() as conn, conn.transaction():
+        await add(
+            conn,
+            [Outgoing(f"p{i}", "emails", f"p{i}/0", b"{}", {}, None) for i in range(20)],
+            retention_s=60,
+        )
+    take = queries("outbox.sql")["take"]
+    locks = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+    async with store.pool.acquire() as one, one.transaction():
+        first = [r["producer"] for r in await one.fetch(take, 5)]
+        assert first == [f"p{i}" for i in range(5)]
+        assert await one.fetchval(locks) == 5
+        async with store.pool.acquire() as two, two.transaction():
+            second = [r["producer"] for r in await two.fetch(take, 5)]
+            assert second == [f"p{i}" for i in range(5, 10)]
+            assert await two.fetchval(locks) == 5
+
+
 def real_publisher(broker: Broker) -> Publisher:
     url = getattr(broker, "url")  # noqa: B009
     return KafkaPublisher(url) if broker.name == "kafka" else RabbitMQPublisher(url)
