@@ -367,6 +367,64 @@ async def test_a_second_relay_takes_the_next_producers_and_no_lock_beyond_its_ba
             assert await two.fetchval(locks) == 5
 
 
+def _plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    return [plan, *(n for child in plan.get("Plans", []) for n in _plan_nodes(child))]
+
+
+async def test_a_round_reads_a_long_producers_batch_not_its_backlog(
+    orders: asyncpg.Connection,
+) -> None:
+    """One producer with 20,000 unsent rows (a run that published that many) before 500
+    others: a round reads its first rows up to the batch, not all of them (before, every
+    round read the whole backlog of the producers it took, and sorted it)."""
+    await orders.execute(
+        "INSERT INTO dedupe_outbox (producer, channel, message_id, body, expires_at)"
+        " SELECT CASE WHEN g <= 20000 THEN 'long' ELSE 'p' || g END, 'emails', 'm' || g, 'x',"
+        "        now() + interval '1 day'"
+        "   FROM generate_series(1, 20500) AS g"
+    )
+    await orders.execute("ANALYZE dedupe_outbox")
+    async with orders.transaction():
+        [plan] = json.loads(
+            await orders.fetchval(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + queries("outbox.sql")["take"], 200
+            )
+        )
+    read = [
+        (node["Node Type"], node["Actual Rows"] * node["Actual Loops"])
+        for node in _plan_nodes(plan["Plan"])
+        if node.get("Relation Name") == "dedupe_outbox"
+    ]
+    # At most the window (4 rounds' worth of the oldest due rows) by any scan.
+    assert read and max(rows for _, rows in read) <= 4 * 200, read
+
+
+async def test_a_producer_waiting_out_a_refusal_is_not_locked_by_a_round(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """The advisory locks are tried on the producers that can go only: one whose first row
+    waits out a backoff, with later rows in the window, is neither taken nor locked."""
+    from dedupe.outbox import Outgoing, add
+
+    async with store.pool.acquire() as conn, conn.transaction():
+        await add(
+            conn,
+            [Outgoing("waiting", "emails", f"w/{i}", b"{}", {}, None) for i in range(3)],
+            retention_s=60,
+        )
+        await add(conn, [Outgoing("ready", "emails", "r/0", b"{}", {}, None)], retention_s=60)
+    await orders.execute(
+        "UPDATE dedupe_outbox SET next_try_at = now() + interval '1 hour' WHERE message_id = 'w/0'"
+    )
+    async with orders.transaction():
+        taken = [r["producer"] for r in await orders.fetch(queries("outbox.sql")["take"], 10)]
+        locks = await orders.fetchval(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        )
+    assert taken == ["ready"]
+    assert locks == 1
+
+
 def real_publisher(broker: Broker) -> Publisher:
     url = getattr(broker, "url")  # noqa: B009
     return KafkaPublisher(url) if broker.name == "kafka" else RabbitMQPublisher(url)
