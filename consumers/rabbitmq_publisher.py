@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Mapping
 
 try:
     import aio_pika
     from aio_pika.abc import (
         AbstractChannel,
+        AbstractQueue,
         AbstractRobustConnection,
     )
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -28,57 +30,73 @@ class RabbitMQPublisher:
     """Publishes with publisher confirms on one robust connection (the webhook receiver's and
     the outbox relay's).
 
-    Each channel's queues are declared before its first publish; messages are persistent and
-    `mandatory`, so a message RabbitMQ cannot route is an error, not a silent drop.
+    Each channel's queues are declared before its first publish (once, however many publishes
+    wait for it); messages are persistent and `mandatory`, so a message RabbitMQ cannot route
+    is an error, not a silent drop, and its queues are declared again at the next publish.
 
     The publishes are spread over `channels` confirming channels, each to the one with the
     fewest in flight: aiormq sends one publish at a time per channel and holds the channel
     until the frame is written, so in a busy event loop (a worker's handlers beside its relay)
     one channel carries a publish every few loop turns; a few hundred in flight then wait for
     it, past their timeout. Every publish is confirmed on its own; callers that need an order
-    (the relay, per producer) wait for one confirm before the next publish.
+    (the relay, per producer) wait for one confirm before the next publish. `timeout_s` bounds
+    a publish whole: its declare, its turn on the channel and its confirm.
     """
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, channels: int = 8) -> None:
         self.url = url
         self.timeout_s = timeout_s
         self._connection: AbstractRobustConnection | None = None
-        self._channels: list[AbstractChannel] = []
-        self._in_flight = [0] * max(1, channels)
+        self._channels: list[AbstractChannel | None] = [None] * max(1, channels)
+        self._in_flight = [0] * len(self._channels)
         self._declared: set[str] = set()
+        self._declaring: dict[str, asyncio.Task[AbstractQueue]] = {}
         self._lock = asyncio.Lock()
+        # The last failed connect (when, why): publishes that waited for it fail with it
+        # rather than each try again in turn (hundreds in flight, one timeout each).
+        self._failure: tuple[float, DedupeError] | None = None
 
     def _open(self) -> bool:
-        return len(self._channels) == len(self._in_flight) and not any(
-            channel.is_closed for channel in self._channels
-        )
+        return all(channel is not None and not channel.is_closed for channel in self._channels)
 
     async def connect(self) -> None:
         """Open the connection and the confirming channels unless they are open already."""
         if self._open():
             return
+        asked = time.monotonic()
         async with self._lock:
             if self._open():
                 return
+            if self._failure is not None and self._failure[0] >= asked:
+                failed = self._failure[1]
+                raise DedupeError(str(failed)) from failed.__cause__
             try:
                 if self._connection is None or self._connection.is_closed:
                     self._connection = await aio_pika.connect_robust(
                         self.url, timeout=self.timeout_s
                     )
-                    self._channels = []
-                self._channels = [channel for channel in self._channels if not channel.is_closed]
-                while len(self._channels) < len(self._in_flight):
-                    self._channels.append(
-                        await self._connection.channel(
-                            publisher_confirms=True, on_return_raises=True
-                        )
+                    self._channels = [None] * len(self._channels)
+                    self._declared.clear()
+                for slot, old in enumerate(self._channels):
+                    if old is not None and not old.is_closed:
+                        continue
+                    if old is not None:
+                        # Closed by the broker: aio-pika would reopen it beside its
+                        # replacement; closed here, it stays closed.
+                        with contextlib.suppress(Exception):
+                            await old.close()
+                    self._channels[slot] = await self._connection.channel(
+                        publisher_confirms=True, on_return_raises=True
                     )
             except Exception as exc:
                 await self._discard()
-                raise DedupeError(
+                error = DedupeError(
                     f"cannot connect to RabbitMQ at {redact(self.url)} ({exc.__class__.__name__})"
-                ) from exc
-            self._declared.clear()
+                )
+                error.__cause__ = exc
+                self._failure = (time.monotonic(), error)
+                raise error from exc
+            self._failure = None
 
     async def publish(
         self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
@@ -87,30 +105,47 @@ class RabbitMQPublisher:
         await self.connect()
         slot = min(range(len(self._in_flight)), key=self._in_flight.__getitem__)
         amqp = self._channels[slot]
+        assert amqp is not None
         self._in_flight[slot] += 1
         try:
-            if channel not in self._declared:
-                await declare_channel(amqp, channel)
-                self._declared.add(channel)
-            message = aio_pika.Message(
-                body,
-                headers=dict(headers),
-                message_id=message_id,
-                content_type=Headers(headers).get("content-type"),
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                app_id="dedupe-worker",
-            )
-            await amqp.default_exchange.publish(
-                message, routing_key=channel, mandatory=True, timeout=self.timeout_s
-            )
+            async with asyncio.timeout(self.timeout_s):
+                await self._declare(amqp, channel)
+                message = aio_pika.Message(
+                    body,
+                    headers=dict(headers),
+                    message_id=message_id,
+                    content_type=Headers(headers).get("content-type"),
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    app_id="dedupe-worker",
+                )
+                await amqp.default_exchange.publish(message, routing_key=channel, mandatory=True)
         except Exception as exc:
-            # Unroutable (the queue was deleted) or not confirmed: declare again next time.
-            self._declared.discard(channel)
+            if isinstance(exc, aio_pika.exceptions.PublishError):
+                self._declared.discard(channel)  # unroutable: its queue was deleted
             raise DedupeError(
                 f"RabbitMQ did not confirm a message to {channel} ({exc.__class__.__name__})"
             ) from exc
         finally:
             self._in_flight[slot] -= 1
+
+    async def _declare(self, amqp: AbstractChannel, channel: str) -> None:
+        """Declare a channel's queues once: concurrent publishes to it wait for one declare."""
+        if channel in self._declared:
+            return
+        pending = self._declaring.get(channel)
+        if pending is None:
+            pending = asyncio.create_task(declare_channel(amqp, channel, robust=False))
+            self._declaring[channel] = pending
+
+            def done(future: asyncio.Task[AbstractQueue]) -> None:
+                if self._declaring.get(channel) is future:
+                    del self._declaring[channel]
+                if not future.cancelled() and future.exception() is None:
+                    self._declared.add(channel)
+
+            pending.add_done_callback(done)
+        # Shielded: one publish's timeout does not cancel the declare the others wait for.
+        await asyncio.shield(pending)
 
     async def ready(self) -> bool:
         """Whether a publish could go out now (connects if needed)."""
@@ -126,7 +161,8 @@ class RabbitMQPublisher:
             await self._discard()
 
     async def _discard(self) -> None:
-        connection, self._connection, self._channels = self._connection, None, []
+        connection, self._connection = self._connection, None
+        self._channels = [None] * len(self._channels)
         self._declared.clear()
         if connection is not None:
             with contextlib.suppress(Exception):

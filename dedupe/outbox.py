@@ -123,8 +123,8 @@ class Relay:
         publisher: Publisher,
         *,
         interval_s: float = 0.5,
-        batch: int = 500,
-        concurrency: int = 256,
+        batch: int = 200,
+        concurrency: int = 200,
     ) -> None:
         self.pool = pool
         self.publisher = publisher
@@ -133,7 +133,9 @@ class Relay:
         self.stats = RelayStats()
         # Publishes in flight at once, each producer's one after another: a round of
         # single-row producers (the usual: a run publishes one message) costs a few confirm
-        # round trips, not one per row.
+        # round trips, not one per row. A round holds an advisory lock per producer it took
+        # (up to `batch`): PostgreSQL's lock table (max_locks_per_transaction x
+        # max_connections, 6,400 by default) must hold those of every relay at once.
         self._concurrency = concurrency
         self._q = queries("outbox.sql")
         self._wake = asyncio.Event()
@@ -171,11 +173,12 @@ class Relay:
             try:
                 # A round that moved rows: more may be waiting (another relay may hold the
                 # producers this one skipped). One that took rows and sent none waits for the
-                # next wake or interval. Stopping, one round still runs: it relays what was
-                # committed before the stop.
+                # next wake or interval. Stopping, a round that began after the stop still
+                # runs: it relays what was committed before the stop.
                 while True:
+                    stopped_before = self._stopping
                     _, moved = await self._round()
-                    if self._stopping or not moved:
+                    if stopped_before or (not moved and not self._stopping):
                         break
                 failures = 0
             except StoreError as exc:

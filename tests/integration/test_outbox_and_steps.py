@@ -237,6 +237,46 @@ async def test_a_relay_stopped_right_after_a_commit_relays_what_was_committed(
     assert [m for _, _, m, _ in publisher.sent] == ["p/0"]
 
 
+class Holding(Recording):
+    """A publisher whose first publish waits until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def publish(
+        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
+    ) -> None:
+        if not self.started.is_set():
+            self.started.set()
+            await self.release.wait()
+        await super().publish(channel, body, message_id=message_id, headers=headers)
+
+
+async def test_a_stop_during_a_round_still_runs_a_round_after_it(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """Rows committed while a round is under way, before the stop, go out at the stop: the
+    round that was under way is not the last (before, the relay returned after it)."""
+    from dedupe.outbox import Outgoing, Relay, add
+
+    async with store.pool.acquire() as conn, conn.transaction():
+        await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
+    publisher = Holding()
+    relay = Relay(store.pool, publisher, interval_s=30)
+    async with relay:
+        relay.wake()
+        await asyncio.wait_for(publisher.started.wait(), 5)
+        async with store.pool.acquire() as conn, conn.transaction():
+            await add(conn, [Outgoing("q", "emails", "q/0", b"{}", {}, None)], retention_s=60)
+        stopping = asyncio.create_task(relay.__aexit__(None, None, None))
+        await asyncio.sleep(0.1)
+        publisher.release.set()
+        await stopping
+    assert sorted(m for _, _, m, _ in publisher.sent) == ["p/0", "q/0"]
+
+
 class CancellingConfirms(Recording):
     """A client that cancels its pending confirm when its connection drops, once."""
 
