@@ -11,8 +11,8 @@ try:
     import aio_pika
     from aio_pika.abc import (
         AbstractChannel,
+        AbstractConnection,
         AbstractQueue,
-        AbstractRobustConnection,
     )
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
@@ -27,8 +27,9 @@ from .rabbitmq_topology import declare_channel
 
 
 class RabbitMQPublisher:
-    """Publishes with publisher confirms on one robust connection (the webhook receiver's and
-    the outbox relay's).
+    """Publishes with publisher confirms on one connection (the webhook receiver's and the
+    outbox relay's), opened again at the next publish once it or a channel is closed. Not a
+    robust one: aio-pika would reopen a channel the broker closed beside its replacement.
 
     Each channel's queues are declared before its first publish (once, however many publishes
     wait for it); messages are persistent and `mandatory`, so a message RabbitMQ cannot route
@@ -40,13 +41,13 @@ class RabbitMQPublisher:
     one channel carries a publish every few loop turns; a few hundred in flight then wait for
     it, past their timeout. Every publish is confirmed on its own; callers that need an order
     (the relay, per producer) wait for one confirm before the next publish. `timeout_s` bounds
-    a publish whole: its declare, its turn on the channel and its confirm.
+    a (re)connect, and then the publish: its declare, its turn on the channel and its confirm.
     """
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, channels: int = 8) -> None:
         self.url = url
         self.timeout_s = timeout_s
-        self._connection: AbstractRobustConnection | None = None
+        self._connection: AbstractConnection | None = None
         self._channels: list[AbstractChannel | None] = [None] * max(1, channels)
         self._in_flight = [0] * len(self._channels)
         self._declared: set[str] = set()
@@ -71,23 +72,15 @@ class RabbitMQPublisher:
                 failed = self._failure[1]
                 raise DedupeError(str(failed)) from failed.__cause__
             try:
-                if self._connection is None or self._connection.is_closed:
-                    self._connection = await aio_pika.connect_robust(
-                        self.url, timeout=self.timeout_s
-                    )
-                    self._channels = [None] * len(self._channels)
-                    self._declared.clear()
-                for slot, old in enumerate(self._channels):
-                    if old is not None and not old.is_closed:
-                        continue
-                    if old is not None:
-                        # Closed by the broker: aio-pika would reopen it beside its
-                        # replacement; closed here, it stays closed.
-                        with contextlib.suppress(Exception):
-                            await old.close()
-                    self._channels[slot] = await self._connection.channel(
-                        publisher_confirms=True, on_return_raises=True
-                    )
+                async with asyncio.timeout(self.timeout_s):
+                    if self._connection is None or self._connection.is_closed:
+                        await self._discard()
+                        self._connection = await aio_pika.connect(self.url)
+                    for slot, old in enumerate(self._channels):
+                        if old is None or old.is_closed:  # a channel the broker closed
+                            self._channels[slot] = await self._connection.channel(
+                                publisher_confirms=True, on_return_raises=True
+                            )
             except Exception as exc:
                 await self._discard()
                 error = DedupeError(
@@ -134,7 +127,7 @@ class RabbitMQPublisher:
             return
         pending = self._declaring.get(channel)
         if pending is None:
-            pending = asyncio.create_task(declare_channel(amqp, channel, robust=False))
+            pending = asyncio.create_task(self._declared_within(amqp, channel))
             self._declaring[channel] = pending
 
             def done(future: asyncio.Task[AbstractQueue]) -> None:
@@ -146,6 +139,10 @@ class RabbitMQPublisher:
             pending.add_done_callback(done)
         # Shielded: one publish's timeout does not cancel the declare the others wait for.
         await asyncio.shield(pending)
+
+    async def _declared_within(self, amqp: AbstractChannel, channel: str) -> AbstractQueue:
+        async with asyncio.timeout(self.timeout_s):
+            return await declare_channel(amqp, channel)
 
     async def ready(self) -> bool:
         """Whether a publish could go out now (connects if needed)."""
@@ -164,6 +161,9 @@ class RabbitMQPublisher:
         connection, self._connection = self._connection, None
         self._channels = [None] * len(self._channels)
         self._declared.clear()
+        declaring, self._declaring = self._declaring, {}
+        for task in declaring.values():
+            task.cancel()
         if connection is not None:
             with contextlib.suppress(Exception):
                 await connection.close()

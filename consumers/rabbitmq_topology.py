@@ -32,27 +32,18 @@ def delay_name(channel: str) -> str:
     return f"{channel}.delay"
 
 
-async def declare_channel(
-    channel: AbstractChannel, name: str, *, robust: bool = True
-) -> AbstractQueue:
-    """Declare the work, dead-letter and delay queues of one channel; return the work queue.
-
-    `robust=False` for a publisher's declares: a robust channel keeps every queue it declared
-    robustly and declares it again at each reconnect; a consumer needs that, a publisher not.
-    """
-    options: dict[str, Any] = {"robust": False} if not robust else {}
-    await channel.declare_queue(dlq_name(name), durable=True, **options)
+async def declare_channel(channel: AbstractChannel, name: str) -> AbstractQueue:
+    """Declare the work, dead-letter and delay queues of one channel; return the work queue."""
+    await channel.declare_queue(dlq_name(name), durable=True)
     await channel.declare_queue(
         delay_name(name),
         durable=True,
         arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name},
-        **options,
     )
     return await channel.declare_queue(
         name,
         durable=True,
         arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq_name(name)},
-        **options,
     )
 
 

@@ -19,38 +19,43 @@ SELECT producer, channel, message_id, body, headers::jsonb, content_type,
 -- (the window) by a sub-plan per row on dedupe_outbox_producer_unsent_idx: a round costs its
 -- window, never a scan of the backlog (a NOT EXISTS was planned as a hash anti-join over all
 -- unsent rows once nothing above it limited its rows).
--- The locks are tried in id order, on heads only (OFFSET 0 keeps the head test below the lock:
--- merged, the planner ran the cheaper lock first), until $1 producers are ours (the LIMIT stops
--- the scan of `heads`, so no lock is taken beyond it): a relay whose first candidates another
--- relay holds takes the next ones in the window, instead of nothing.
--- Each producer's rows are read by index up to a round's worth ($1, in id order, locked), so a
--- producer with a long backlog costs a round its batch, not its backlog. (Rows locked beyond
--- the final LIMIT are producers' later rows: they stay ours, unsent, until the commit.)
+-- The advisory locks are tried in id order, on heads only (OFFSET 0 keeps the head test below
+-- the lock: merged, the planner ran the cheaper lock first), until $1 producers are ours (the
+-- LIMIT stops the scan of `heads`, so no lock is taken beyond it): a relay whose first
+-- candidates another relay holds takes the next ones in the window, instead of nothing.
+-- Each producer's rows are read by index up to a round's worth, unlocked (`picked`: a long
+-- backlog costs a round its batch, not its backlog); only the $1 rows the round relays are
+-- locked. FOR UPDATE waits rather than skips: the advisory lock already keeps other relays
+-- off, and a row skipped would let its producer's later rows overtake it. A row another
+-- relay marked sent since this statement's snapshot fails the re-check and is dropped (always
+-- the start of its producer's chain: the order holds).
 WITH heads AS (
     SELECT due.producer, due.id AS first
       FROM (SELECT id, producer FROM dedupe_outbox
              WHERE sent_at IS NULL AND next_try_at <= now() ORDER BY id LIMIT $1 * 4) AS due
      WHERE due.id = (SELECT min(head.id) FROM dedupe_outbox head
                       WHERE head.producer = due.producer AND head.sent_at IS NULL)
+     ORDER BY due.id
     OFFSET 0
 ), mine AS (
     SELECT producer FROM heads
      WHERE pg_try_advisory_xact_lock(hashtextextended(producer, 7))
      LIMIT $1
+), picked AS (
+    SELECT chain.id
+      FROM mine m
+     CROSS JOIN LATERAL (SELECT r.id FROM dedupe_outbox r
+                          WHERE r.producer = m.producer AND r.sent_at IS NULL
+                          ORDER BY r.id LIMIT $1) AS chain
+     ORDER BY chain.id
+     LIMIT $1
 )
-SELECT o.id, o.producer, o.channel, o.message_id, o.body, o.headers, o.content_type,
-       o.attempts, o.due
-  FROM mine m
-  CROSS JOIN LATERAL (
-        SELECT r.id, r.producer, r.channel, r.message_id, r.body, r.headers::text AS headers,
-               r.content_type, r.attempts, r.next_try_at <= now() AS due
-          FROM dedupe_outbox r
-         WHERE r.producer = m.producer AND r.sent_at IS NULL
-         ORDER BY r.id
-         LIMIT $1
-           FOR UPDATE SKIP LOCKED) AS o
+SELECT o.id, o.producer, o.channel, o.message_id, o.body, o.headers::text AS headers,
+       o.content_type, o.attempts, o.next_try_at <= now() AS due
+  FROM dedupe_outbox o
+ WHERE o.id IN (SELECT id FROM picked) AND o.sent_at IS NULL
  ORDER BY o.id
- LIMIT $1;
+   FOR UPDATE OF o;
 
 -- name: sent
 UPDATE dedupe_outbox SET sent_at = now(), last_error = NULL

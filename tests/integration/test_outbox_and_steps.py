@@ -439,6 +439,26 @@ async def test_a_round_reads_a_long_producers_batch_not_its_backlog(
     assert read and max(rows for _, rows in read) <= 4 * 200, read
 
 
+async def test_a_round_locks_the_rows_it_relays_only(orders: asyncpg.Connection) -> None:
+    """200 producers with 300 unsent rows each: a round of 200 locks its 200 rows (before, the
+    read of each producer's chain locked up to 200 rows of each, 40,000 in all, rewritten in
+    every round)."""
+    await orders.execute(
+        "INSERT INTO dedupe_outbox (producer, channel, message_id, body, expires_at)"
+        " SELECT 'p' || (g % 200), 'emails', 'm' || g, 'x', now() + interval '1 day'"
+        "   FROM generate_series(1, 60000) AS g"
+    )
+    await orders.execute("ANALYZE dedupe_outbox")
+    async with orders.transaction():
+        taken = await orders.fetch(queries("outbox.sql")["take"], 200)
+        locked = await orders.fetchval(
+            "SELECT count(*) FROM dedupe_outbox WHERE xmax::text = txid_current()::text"
+        )
+    assert len(taken) == 200
+    assert [r["id"] for r in taken] == sorted(r["id"] for r in taken)
+    assert locked == 200, locked
+
+
 async def test_a_producer_waiting_out_a_refusal_is_not_locked_by_a_round(
     store: ClaimStore, orders: asyncpg.Connection
 ) -> None:
