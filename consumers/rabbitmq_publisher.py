@@ -86,7 +86,6 @@ class RabbitMQPublisher:
                 error = DedupeError(
                     f"cannot connect to RabbitMQ at {redact(self.url)} ({exc.__class__.__name__})"
                 )
-                error.__cause__ = exc
                 self._failure = (time.monotonic(), error)
                 raise error from exc
             self._failure = None
