@@ -115,9 +115,23 @@ async def db_url(template_db: str) -> AsyncIterator[str]:
     yield database_url(name)
     admin = await asyncpg.connect(ADMIN_URL)
     try:
-        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await _drop(admin, name)
     finally:
         await admin.close()
+
+
+async def _drop(admin: asyncpg.Connection, name: str) -> None:
+    """DROP DATABASE ... WITH (FORCE), which PostgreSQL 15 refuses to a role that is not a
+    superuser while an autovacuum worker is in the database (it cannot terminate a process of
+    no role): the worker is done within seconds, so try again."""
+    for attempt in range(40):
+        try:
+            await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            return
+        except asyncpg.InsufficientPrivilegeError:
+            if attempt == 39:
+                raise
+            await asyncio.sleep(0.5)
 
 
 @pytest.fixture

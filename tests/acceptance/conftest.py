@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +31,13 @@ class Spawner:
 
     def __init__(self, db_url: str, channel: str, logs: Path) -> None:
         self.db_url, self.channel, self.logs = db_url, channel, logs
+        self.started = logs / "started"  # a file per key whose handler began (tests/apps/crashy.py)
+        self.started.mkdir(exist_ok=True)
         self.procs: list[subprocess.Popen[bytes]] = []
+
+    def started_keys(self) -> set[str]:
+        """The keys whose handler has begun to run, in any worker so far."""
+        return {urllib.parse.unquote(path.name) for path in self.started.iterdir()}
 
     def start(self, broker_url: str, *extra: str, lease_s: float = 2.0) -> subprocess.Popen[bytes]:
         env = {
@@ -40,6 +47,7 @@ class Spawner:
             "DEDUPE_STATS_INTERVAL_S": "1",
             "CRASHY_CHANNEL": self.channel,
             "CRASHY_LEASE_S": str(lease_s),
+            "CRASHY_STARTED_DIR": str(self.started),
             "PYTHONPATH": str(ROOT),
         }
         log = open(self.logs / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
@@ -58,6 +66,23 @@ class Spawner:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+async def assert_stopped_cleanly(effects: asyncpg.Connection, began: set[str]) -> list[str]:
+    """After a graceful stop: every run that began was completed (its effect once), and every
+    other claim was given back (in progress, its lease ended, marked handed back) for the next
+    worker to take at once. Returns the completed keys."""
+    claims = await effects.fetch(
+        "SELECT key, status, lease_until <= now() AS released, error FROM dedupe_claims"
+    )
+    completed = sorted(c["key"] for c in claims if c["status"] == "completed")
+    assert began and began <= set(completed), (began, completed)
+    for claim in claims:
+        if claim["status"] != "completed":
+            assert claim["status"] == "in_progress", dict(claim)
+            assert claim["released"] and claim["error"] == "handed back", dict(claim)
+    assert sorted(r["key"] for r in await effects.fetch("SELECT key FROM effects")) == completed
+    return completed
 
 
 @pytest.fixture

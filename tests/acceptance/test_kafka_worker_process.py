@@ -14,7 +14,13 @@ import asyncpg
 import pytest
 
 from consumers import kafka
-from tests.acceptance.conftest import Spawner, final_stats, payload, wait_exit
+from tests.acceptance.conftest import (
+    Spawner,
+    assert_stopped_cleanly,
+    final_stats,
+    payload,
+    wait_exit,
+)
 from tests.conftest import eventually
 
 
@@ -127,12 +133,14 @@ async def test_a_crash_after_completion_but_before_the_offset_commit_yields_acke
 
 async def test_sigterm_finishes_in_flight_work_commits_it_and_leaves_the_group(
     spawn: Callable[..., subprocess.Popen[bytes]],
+    spawner: Spawner,
     group_url: str,
     channel: str,
     effects: asyncpg.Connection,
     tmp_path: Path,
 ) -> None:
-    """On SIGTERM the worker completes what it runs, commits those offsets, and exits 0."""
+    """On SIGTERM the worker completes every run that began, gives back what it claimed but
+    had not started, commits the offsets of what finished, and exits 0."""
     await kafka.publish(
         group_url, channel, [(payload(i, sleep_s=1.0), {}, f"k{i}") for i in range(4)]
     )
@@ -140,21 +148,13 @@ async def test_sigterm_finishes_in_flight_work_commits_it_and_leaves_the_group(
     worker = spawn("--shutdown-timeout-s", "10", commit_interval_s=3600)
 
     async def started() -> bool:
-        return bool(
-            await effects.fetchval(
-                "SELECT count(*) > 0 FROM dedupe_claims WHERE status = 'in_progress'"
-            )
-        )
+        return bool(spawner.started_keys())
 
     await eventually(started)
     worker.send_signal(signal.SIGTERM)
     assert await wait_exit(worker) == 0
-    finished = await effects.fetchval("SELECT count(*) FROM effects")
-    assert finished >= 1
-    assert (
-        await effects.fetchval("SELECT count(*) FROM dedupe_claims WHERE status = 'in_progress'")
-        == 0
-    )
+    # Each partition claims its own batch: one claimed just after the signal is given back.
+    finished = len(await assert_stopped_cleanly(effects, spawner.started_keys()))
     # The shutdown commit covers exactly what finished (the partitions run independently).
     assert await kafka.backlog(group_url, channel, group_id) == 4 - finished
     assert "SIGTERM received" in (tmp_path / "worker-0.log").read_text()

@@ -51,10 +51,10 @@ async def test_sigint_past_the_timeout_gives_messages_back_and_a_second_worker_r
     effects: asyncpg.Connection,
     tmp_path: Path,
 ) -> None:
-    """Handlers sleep 2 s, the grace period is 0.5 s: the worker exits 0 without waiting for
+    """Handlers sleep 4 s, the grace period is 0.5 s: the worker exits 0 without waiting for
     them, with no effect written, its keys given back and its messages back in the queue;
     another worker then runs each of them exactly once."""
-    count, sleep_s = 3, 2.0
+    count, sleep_s = 3, 4.0
     await rabbitmq.publish(
         amqp_url, channel, [(payload(i, sleep_s=sleep_s), {}, f"k{i}") for i in range(count)]
     )

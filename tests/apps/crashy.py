@@ -2,19 +2,24 @@
 worker outright (a poison message that no try/except can catch).
 
 Test-only: the channel and lease come from CRASHY_CHANNEL / CRASHY_LEASE_S so that each test
-gets its own queue.
+gets its own queue. With CRASHY_STARTED_DIR set, a run touches a file named after its key there
+as it starts (outside its transaction): the tests' sign that a handler runs, which a claim in
+progress is not (a claim not started yet is given back at a stop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import urllib.parse
+from pathlib import Path
 
 from pydantic import BaseModel
 
 from dedupe import App, Context
 
 app = App("crashy")
+STARTED_DIR = os.environ.get("CRASHY_STARTED_DIR")
 
 
 class Work(BaseModel):
@@ -33,6 +38,8 @@ class Work(BaseModel):
 async def work(payload: Work, ctx: Context) -> int:
     if payload.crash:
         os._exit(17)
+    if STARTED_DIR:
+        await asyncio.to_thread(Path(STARTED_DIR, urllib.parse.quote(ctx.key, safe="")).touch)
     await asyncio.sleep(payload.sleep_s)
     await ctx.db.execute(
         "INSERT INTO effects (key, n, pid) VALUES ($1, $2, $3)", ctx.key, payload.n, os.getpid()

@@ -127,7 +127,9 @@ async def test_a_duplicate_of_a_key_in_flight_is_redelivered_later_and_then_acke
     """The copy that finds the key in progress is deferred, comes back, and is acknowledged."""
     await db.execute("CREATE TABLE effects (key text NOT NULL, n int NOT NULL)")
     calls: list[str] = []
-    app = app_for(channel, calls, delay_s=1.0, lease_s=1.5)
+    # The run outlasts the second copy's publish (a new producer on Kafka) by far, so the copy
+    # meets the live claim even on a loaded machine.
+    app = app_for(channel, calls, delay_s=3.0, lease_s=4.5)
     first, second = broker.transport(), broker.transport()
     async with (
         ClaimStore.open(db_url, owner="b") as other_store,
@@ -291,7 +293,7 @@ async def test_eight_concurrent_duplicates_on_two_workers_run_the_handler_once(
     is deferred until the outcome is there, then acknowledged as a duplicate."""
     await db.execute("CREATE TABLE effects (key text NOT NULL, n int NOT NULL)")
     calls: list[str] = []
-    app = app_for(channel, calls, delay_s=0.5, lease_s=3.0)
+    app = app_for(channel, calls, delay_s=2.0, lease_s=4.0)  # outlasts the 8 publishes
     first, second = broker.transport(), broker.transport()
     async with (
         ClaimStore.open(db_url, owner="b") as other_store,

@@ -18,6 +18,7 @@ from dedupe import App, Context
 from dedupe.pipeline import Processor
 from dedupe.store import ClaimRequest, ClaimStore, Fence
 from dedupe.transport import Action
+from tests.conftest import eventually
 
 CH = "work"
 
@@ -126,8 +127,14 @@ async def test_a_stop_hands_back_queued_claims_at_once_and_is_bounded_by_its_tim
         await asyncio.wait_for(started.wait(), 5)
         began = time.monotonic()
         draining = asyncio.create_task(processor.drain(timeout_s=1.0))
-        await asyncio.sleep(0.3)
-        # The queued ones are already free for another worker, and settled.
+
+        async def settled() -> bool:
+            return all(d.settlements for d in batch[1:])
+
+        # The queued ones are settled before the run under way is stopped, and free for
+        # another worker.
+        await eventually(settled, timeout_s=0.9)
+        assert not draining.done()
         claims = await second_store.claim_batch(
             [request("b"), request("c"), request("d")], lease_s=30, retention_s=3600
         )

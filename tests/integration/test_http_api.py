@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -14,6 +14,7 @@ import pytest
 
 from handlers.orders_api import setup
 from tests.apps.http_api import create_test_api
+from tests.conftest import eventually
 from tests.integration.http_server import serving
 
 ALICE = {"Authorization": "Bearer alice-secret-token"}
@@ -120,13 +121,24 @@ async def test_the_same_key_for_another_request_is_a_422(
     assert await orders(db) == [("pen", "k-2")]
 
 
+def claimed(db: asyncpg.Connection) -> Callable[[], Awaitable[bool]]:
+    """Whether a request's key is claimed and its run under way (the test API's one key)."""
+
+    async def check() -> bool:
+        return bool(
+            await db.fetchval("SELECT count(*) > 0 FROM dedupe_claims WHERE status = 'in_progress'")
+        )
+
+    return check
+
+
 async def test_a_duplicate_that_waits_gets_the_first_answer_replayed(
     orders_db: str, db: asyncpg.Connection
 ) -> None:
     """With wait_s, a copy sent while the first runs waits for it and replays its answer."""
     async with serving(create_test_api(orders_db, wait_s=5)) as base, client_of(base) as client:
         first = asyncio.ensure_future(post(client, "k-w", {}, "/slow", params={"s": 0.6}))
-        await asyncio.sleep(0.2)
+        await eventually(claimed(db))  # the first request runs: the copy meets its claim
         waited = await post(client, "k-w", {}, "/slow", params={"s": 0.6})
         first_answer = await first
     assert first_answer.status_code == waited.status_code == 201
@@ -141,7 +153,7 @@ async def test_a_duplicate_that_waits_too_short_gets_409(
     """A wait shorter than the first request's run ends in 409 with Retry-After."""
     async with serving(create_test_api(orders_db, wait_s=0.3)) as base, client_of(base) as client:
         first = asyncio.ensure_future(post(client, "k-w2", {}, "/slow", params={"s": 1.5}))
-        await asyncio.sleep(0.2)
+        await eventually(claimed(db))  # the first request runs: the copy meets its claim
         started = asyncio.get_running_loop().time()
         waited = await post(client, "k-w2", {}, "/slow", params={"s": 1.5})
         elapsed = asyncio.get_running_loop().time() - started

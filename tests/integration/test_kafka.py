@@ -131,13 +131,13 @@ async def test_a_handler_longer_than_max_poll_interval_keeps_its_partitions(
     transport = broker.transport()
     async with running(recording_app(channel, calls), store, transport) as worker:
         await broker.ready(channel, transport)
-        await broker.publish(channel, [(body(0, sleep_s=4.0), {}, "slow")], partition=0)
+        await broker.publish(channel, [(body(0, sleep_s=8.0), {}, "slow")], partition=0)
         await broker.publish(channel, [(body(i), {}, f"k{i}") for i in range(40)], partition=1)
 
         async def fast_done() -> bool:
             return worker.stats.completed == 40
 
-        await eventually(fast_done, timeout_s=3)  # while "slow" still runs
+        await eventually(fast_done, timeout_s=6)  # while "slow" still runs
 
         async def slow_done() -> bool:
             return worker.stats.completed == 41
@@ -158,7 +158,9 @@ async def test_retries_with_backoff_do_not_stall_other_partitions(
     attempts: list[float] = []
     done_at: dict[str, float] = {}
 
-    @app.handler(channel, backoff_s=0.5, max_backoff_s=1.0)
+    # Backoffs long enough that the other partitions' three publishes (a producer each) finish
+    # well inside them on a loaded machine.
+    @app.handler(channel, backoff_s=2.0, max_backoff_s=3.0)
     async def work(payload: Job, ctx: Context) -> None:
         if ctx.key == "flaky" and len(attempts) < 2:
             attempts.append(time.monotonic())

@@ -129,17 +129,19 @@ async def test_a_zombies_publishes_roll_back_with_its_writes(
     """A run whose key was taken over publishes nothing: its completion is fenced and the
     outbox row goes with the rolled-back transaction."""
     app = App("shop")
-    release = asyncio.Event()
+    release, began = asyncio.Event(), asyncio.Event()
 
     @app.handler(CH, lease_s=0.5)
     async def place(payload: Order, ctx: Context) -> None:
         await ctx.publish("emails", {"order": ctx.key})
+        began.set()
         await release.wait()
 
     publisher = Recording()
     async with Processor(app, store, publisher=publisher, heartbeat_s=3600) as zombie:
         delivery = order("o-3")
         running_task = asyncio.create_task(zombie.process(CH, [delivery]))
+        await asyncio.wait_for(began.wait(), 10)  # claimed: the lease counts from here
         await asyncio.sleep(0.7)  # the lease lapses; no heartbeat
         async with ClaimStore.open(db_url, owner="other") as other:
             [taken] = await other.claim_batch(
@@ -680,17 +682,19 @@ async def test_a_zombies_step_is_refused_and_not_trusted_by_the_next_owner(
     """A run frozen past its lease is taken over; its step after that is refused by the fence
     (the zombie's run ends as lease lost) and nothing it would record is kept."""
     app = App("pay")
-    thaw = asyncio.Event()
+    thaw, began = asyncio.Event(), asyncio.Event()
     calls: list[str] = []
 
     @app.handler(CH, lease_s=0.5)
     async def charge(payload: Order, ctx: Context) -> None:
+        began.set()
         await thaw.wait()
         await ctx.step("charge", lambda: calls.append(ctx.key) or {"ok": True})
 
     async with Processor(app, store, heartbeat_s=3600) as zombie:
         delivery = order("p-4")
         task = asyncio.create_task(zombie.process(CH, [delivery]))
+        await asyncio.wait_for(began.wait(), 10)  # claimed: the lease counts from here
         await asyncio.sleep(0.7)
         async with ClaimStore.open(db_url, owner="other") as other:
             [taken] = await other.claim_batch(
