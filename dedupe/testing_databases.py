@@ -78,9 +78,24 @@ async def drop_database(server_url: str, url: str) -> None:
         raise ValueError(f"{name!r} was not made by dedupe.testing; not dropping it")
     admin = await _admin(server_url)
     try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await drop_forced(admin, name)
     finally:
         await admin.close()
+
+
+async def drop_forced(admin: asyncpg.Connection, name: str) -> None:
+    """DROP DATABASE ... WITH (FORCE), tried again while PostgreSQL refuses it to a role that is
+    not a superuser ("must be a member of the role whose process is being terminated"): most
+    likely an autovacuum worker in the database, which it cannot terminate for us and which is
+    done within seconds."""
+    for attempt in range(40):
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            return
+        except asyncpg.InsufficientPrivilegeError:
+            if attempt == 39:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def drop_templates() -> None:
@@ -132,7 +147,7 @@ async def _template(server_url: str, schema: Schema | None) -> str:
         except BaseException:
             admin = await _admin(server_url)
             try:
-                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                await drop_forced(admin, name)
             finally:
                 await admin.close()
             raise
@@ -215,6 +230,7 @@ __all__ = [
     "create_database",
     "database_url",
     "drop_database",
+    "drop_forced",
     "drop_templates",
     "read_claims",
 ]

@@ -20,6 +20,7 @@ import pytest
 from dedupe.app import App
 from dedupe.pipeline import Processor
 from dedupe.store import ClaimStore, migrate
+from dedupe.testing_databases import drop_forced
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = os.environ.get(
@@ -115,23 +116,9 @@ async def db_url(template_db: str) -> AsyncIterator[str]:
     yield database_url(name)
     admin = await asyncpg.connect(ADMIN_URL)
     try:
-        await _drop(admin, name)
+        await drop_forced(admin, name)
     finally:
         await admin.close()
-
-
-async def _drop(admin: asyncpg.Connection, name: str) -> None:
-    """DROP DATABASE ... WITH (FORCE), which PostgreSQL 15 refuses to a role that is not a
-    superuser while an autovacuum worker is in the database (it cannot terminate a process of
-    no role): the worker is done within seconds, so try again."""
-    for attempt in range(40):
-        try:
-            await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-            return
-        except asyncpg.InsufficientPrivilegeError:
-            if attempt == 39:
-                raise
-            await asyncio.sleep(0.5)
 
 
 @pytest.fixture
