@@ -39,7 +39,7 @@ class Terms:
 # -- verdicts --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class Ours:
     """The key is ours to run: new, taken over from a lapsed lease, or a released failure."""
 
@@ -49,7 +49,7 @@ class Ours:
     handed_back: bool  # from a worker that gave it back at a graceful stop
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class Duplicate:
     """The key has its outcome: completed (with its stored result), or failed for good."""
 
@@ -57,12 +57,12 @@ class Duplicate:
     result: str | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class InFlight:
     """Another holder's live lease (or a row not visible after RECLAIM_TRIES): come back later."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class Conflict:
     """The key was first claimed with another payload: never run this one."""
 
@@ -72,7 +72,7 @@ class Conflict:
     payload: bytes | None = field(default=None, repr=False)  # the claim's kept payload
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class Unsent:
     """Failed for good, but its dead letter was never confirmed (its worker died in between):
     send it again, at least once."""
@@ -82,7 +82,7 @@ class Unsent:
     fence: Fence  # the failure's token: the dead letter's confirmation is recorded against it
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class Unclaimable:
     """No claim could be made for this message: no key, a key the table cannot hold, a body
     the key cannot be read from."""
@@ -91,7 +91,7 @@ class Unclaimable:
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class Unavailable:
     """The claim statement failed (the database is unreachable): try the message again."""
 

@@ -1,12 +1,20 @@
 """What the claim protocol's statements take and answer: a claim request, its answer (ours, or
-the row in the way), and the fence a claim of ours is held by. No I/O."""
+the row in the way), and the fence a claim of ours is held by. No I/O.
+
+These records, the verdicts (dedupe.claiming), the envelope (dedupe.message.Message), the ticket
+and the settlement are made once or more per message, and treated as values: nothing assigns to
+them after they are made. They are not `frozen=True` only because a frozen dataclass's
+`__init__` sets each field through `object.__setattr__`: 6.2 us for a `Claim` against 1.2 us,
+about a tenth of a Kafka worker's CPU across the records of one message. `unsafe_hash=True`
+keeps the hash a frozen one would have (eq and hash over the fields), so they still work as keys.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see above
 class ClaimRequest:
     """The claim a message asks for: its key and its payload's fingerprint (dedupe.fingerprints)."""
 
@@ -21,7 +29,7 @@ class ClaimRequest:
     payload: bytes | None = field(default=None, repr=False, compare=False)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see above
 class Claim:
     """The answer to one claim: ours (a token) or the state of the row in the way."""
 
@@ -49,7 +57,7 @@ class Claim:
         return self.token is not None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see above
 class Fence:
     """A claim we hold: the token proves it at heartbeat and completion."""
 

@@ -27,6 +27,7 @@ from .context import Database
 from .database import TRANSIENT_ERRORS
 from .errors import StoreError
 from .outbox import Outgoing
+from .outcomes import Stats
 from .store import ClaimStore, Fence
 
 logger = logging.getLogger("dedupe.pipeline")
@@ -122,8 +123,11 @@ class Lane:
     member's claim is not heartbeated while it waits for the COMMIT).
     """
 
-    def __init__(self, store: ClaimStore, *, max_group: int, hold_s: float) -> None:
+    def __init__(
+        self, store: ClaimStore, *, max_group: int, hold_s: float, stats: Stats | None = None
+    ) -> None:
         self.store = store
+        self.stats = stats if stats is not None else Stats()
         self.max_group = max_group
         self.hold_s = hold_s
         self.waiting = 0
@@ -259,6 +263,8 @@ class Lane:
         if fenced:
             await self._rolled_back(group, fenced)
             return
+        self.stats.groups_committed += 1
+        self.stats.group_members_committed += len(group)
         for done in group:
             if not done.future.done():
                 done.future.set_result([True])
@@ -352,10 +358,17 @@ class Lanes:
     """A few lanes side by side; a member joins the least busy."""
 
     def __init__(
-        self, store: ClaimStore, *, lanes: int = 4, max_group: int = 64, hold_s: float = 1.0
+        self,
+        store: ClaimStore,
+        *,
+        lanes: int = 4,
+        max_group: int = 64,
+        hold_s: float = 1.0,
+        stats: Stats | None = None,
     ) -> None:
         self._lanes = [
-            Lane(store, max_group=max_group, hold_s=hold_s) for _ in range(max(1, lanes))
+            Lane(store, max_group=max_group, hold_s=hold_s, stats=stats)
+            for _ in range(max(1, lanes))
         ]
 
     def set_on_published(self, callback: Callable[[], None] | None) -> None:

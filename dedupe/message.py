@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, overload
+
+_T = TypeVar("_T")
 
 
 class Headers(Mapping[str, str]):
@@ -26,6 +28,14 @@ class Headers(Mapping[str, str]):
     def __getitem__(self, name: str) -> str:
         return self._lower[name.lower()]
 
+    @overload
+    def get(self, name: str) -> str | None: ...
+    @overload
+    def get(self, name: str, default: str | _T) -> str | _T: ...
+    def get(self, name: str, default: object = None) -> object:
+        # Mapping.get goes through __getitem__ and a KeyError for every header not there.
+        return self._lower.get(name.lower(), default)
+
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.lower() in self._lower
 
@@ -39,7 +49,7 @@ class Headers(Mapping[str, str]):
         return f"Headers({sorted(self._items)!r})"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class Message:
     """One delivery: raw body, headers, the broker's message id and where it came from.
 

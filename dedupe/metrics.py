@@ -271,6 +271,14 @@ class _ProcessorCollector(Collector):
                 "Expired claims deleted by this process's clean-up",
                 stats.gc_deleted,
             ),
+            "dedupe_group_commits": (
+                "COMMITs of group-commit lanes (group_commit=True handlers)",
+                stats.groups_committed,
+            ),
+            "dedupe_group_commit_members": (
+                "Runs completed by those COMMITs (divided by dedupe_group_commits: the group size)",
+                stats.group_members_committed,
+            ),
         }
         # The outbox relay's own counts (zero where the worker has no publisher).
         relay = getattr(self.processor, "relay", None)

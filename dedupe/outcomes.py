@@ -49,6 +49,10 @@ class Stats:
     taken_over: int = 0  # keys claimed from a worker whose lease lapsed
     fenced: int = 0  # completions refused because the token had moved on (zombie writes)
     gc_deleted: int = 0  # expired claims removed by this worker's clean-up
+    # Group commit: COMMITs of a lane's group, and the members they completed (members / groups
+    # is the mean group size: the figure that says whether grouping pays).
+    groups_committed: int = 0
+    group_members_committed: int = 0
     dead_lettered: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def snapshot(self) -> dict[str, Any]:
@@ -63,11 +67,13 @@ class Stats:
             "taken_over": self.taken_over,
             "fenced": self.fenced,
             "gc_deleted": self.gc_deleted,
+            "groups_committed": self.groups_committed,
+            "group_members_committed": self.group_members_committed,
             "dead_lettered": dict(self.dead_lettered),
         }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
 class Ticket:
     """One message under one handler: its claim request (the key, derived once) and when its
     batch began, carried to the outcome."""

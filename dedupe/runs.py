@@ -74,7 +74,7 @@ class Runner:
         self._slots = asyncio.Semaphore(concurrency)
         self._isolation = asyncio.Lock()
         self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
-        self.lanes = Lanes(store, lanes=group_commit_lanes(concurrency))
+        self.lanes = Lanes(store, lanes=group_commit_lanes(concurrency), stats=stats)
         # Runs whose only writes are publishes: completed with their outbox rows, a batch at once.
         self._publishing = outbox.PublishingCompletions(store, on_committed=self._published)
 

@@ -127,6 +127,11 @@ async def test_the_runs_of_a_group_share_commits(
     assert await effects.fetchval("SELECT count(*) FROM effects") == 200
     # Each run alone: claims, completions and 200 transactions of its own; grouped: far fewer.
     assert after - before < 150
+    # The worker counts its groups and their members (dedupe_group_commits and
+    # dedupe_group_commit_members): every run completed in some group, in fewer groups than runs.
+    stats = processor.stats
+    assert stats.group_members_committed == 200
+    assert 0 < stats.groups_committed < 100
 
 
 async def test_a_member_taken_over_writes_nothing_and_the_others_run_again_once(

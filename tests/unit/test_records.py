@@ -1,0 +1,32 @@
+"""The envelope's headers and the per-message records: values, cheap to make."""
+
+from __future__ import annotations
+
+from dedupe.claiming import Duplicate, Ours
+from dedupe.claims import Claim, ClaimRequest, Fence
+from dedupe.message import Headers
+
+
+def test_headers_get_is_case_insensitive_and_takes_a_default() -> None:
+    headers = Headers({"Message-ID": "m1", "x-none": None, "raw": b"\xffa"})
+    assert headers.get("message-id") == "m1"
+    assert headers.get("MESSAGE-ID") == "m1"
+    assert headers.get("absent") is None
+    assert headers.get("absent", "d") == "d"
+    assert headers.get("x-none", "d") == "d"  # a None value is no header
+    assert headers.get("RAW") == "\ufffda"
+    assert headers["Raw"] == "\ufffda"
+
+
+def test_the_records_compare_and_hash_by_value_as_frozen_ones_did() -> None:
+    a, b = Fence("s", "k", 7), Fence("s", "k", 7)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert Fence("s", "k", 8) != a
+    request = ClaimRequest("s", "k", b"h", payload=b"one")
+    # The kept payload is not part of the value (compare=False), as before.
+    assert request == ClaimRequest("s", "k", b"h", payload=b"two")
+    assert hash(request) == hash(ClaimRequest("s", "k", b"h"))
+    assert Ours(a, 1, False, False) == Ours(b, 1, False, False)
+    assert {Duplicate("completed", None): 1}[Duplicate("completed", None)] == 1
+    claim = Claim("s", "k", 7, 1)
+    assert claim.owned and not Claim("s", "k", None, 1).owned
