@@ -54,6 +54,11 @@ class Tally:
         self.first: float | None = None
         self.last: float | None = None
         self.latencies: list[float] = []
+        # BENCH_LATENCY_TIMELINE=<file>: every settle's (time, latency), written at the end, to
+        # tell a queue that grows from stalls that come and go.
+        self.timeline: list[tuple[float, float]] | None = (
+            [] if os.environ.get("BENCH_LATENCY_TIMELINE") else None
+        )
         self.rss: list[tuple[float, int, float]] = []  # (t, count, MB)
         self.rss_every_s = rss_every_s
         self._proc = psutil.Process()
@@ -66,6 +71,8 @@ class Tally:
         now = time.time()
         if body is not None and body[:1] == b"t":
             self.latencies.append(now - float(body[1:18]))
+            if self.timeline is not None:
+                self.timeline.append((now, self.latencies[-1]))
         self.count += k
         self.last = now
         if self.n and self.count >= self.n:
@@ -79,6 +86,10 @@ class Tally:
             await asyncio.sleep(self.rss_every_s)
 
     def report(self, **extra: Any) -> dict[str, Any]:
+        if self.timeline:
+            Path(os.environ["BENCH_LATENCY_TIMELINE"]).write_text(
+                "".join(f"{t:.4f} {latency:.4f}\n" for t, latency in self.timeline)
+            )
         lat = sorted(self.latencies)
 
         def pct(p: float) -> float | None:
