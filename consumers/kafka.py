@@ -214,7 +214,7 @@ class KafkaTransport(Transport):
         self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: list[ConsumerRecord]
     ) -> None:
         partition = self._partitions.get(tp)
-        if partition is None or partition.closing or partition.busy:
+        if partition is None or partition.closing or partition.full:
             # Not ours to run (a rebalance is under way): fetch them again, skip nothing.
             with contextlib.suppress(IllegalStateError, KafkaError):
                 consumer.seek(tp, records[0].offset)
@@ -270,7 +270,7 @@ class KafkaTransport(Transport):
 
     def _resume(self, tp: TopicPartition) -> None:
         partition = self._partitions.get(tp)
-        if self._consumer is not None and partition is not None and not partition.busy:
+        if self._consumer is not None and partition is not None and not partition.full:
             with contextlib.suppress(IllegalStateError, KafkaError):
                 self._consumer.resume(tp)
 

@@ -1,7 +1,11 @@
 """The work and the offsets of one assigned Kafka partition (no broker I/O of its own).
 
 A fetched batch runs as one `process()` call per wave: a wave never holds two records of one
-record key, so messages of a key run in offset order while the others run side by side. A
+record key, so messages of a key run in offset order while the others run side by side. Up to
+BATCHES_IN_FLIGHT fetched batches run at once: the next batch's records of keys the earlier
+ones hold wait for those batches to end, the others start at once (the partition is paused only
+once that many are in flight, so a record arriving meanwhile is not kept waiting for a whole
+batch's claim and completion before it is even fetched). A
 message the core defers or requeues is held, with the later messages of its key queued behind
 it, and runs again when due, beside the stream; so is one whose dead letter or reply the broker
 refused, or whose settling failed. The commit position is the first offset without a final
@@ -34,6 +38,8 @@ INTERNAL_ERROR_DELAY_S = 5.0
 # per attempt).
 DEAD_LETTER_RETRY_S = 5.0
 DEAD_LETTER_RETRY_MAX_S = 300.0
+# Fetched batches of one partition in flight at once (the partition is paused at this many).
+BATCHES_IN_FLIGHT = 2
 
 
 def to_message(record: ConsumerRecord, *, attempt: int = 1) -> Message:
@@ -142,6 +148,7 @@ class PartitionWork:
         pause: Callable[[TopicPartition], None],
         resume: Callable[[TopicPartition], None],
         reply: Callable[[ConsumerRecord, str, Callable[[], bool]], Awaitable[bool]] | None = None,
+        batches_in_flight: int = BATCHES_IN_FLIGHT,
     ) -> None:
         self.tp = tp
         self._process = process
@@ -156,7 +163,9 @@ class PartitionWork:
         self.committed: int | None = None
         self.held: dict[object, collections.deque[KafkaDelivery]] = {}
         self.closing = False  # revoked or stopping: start nothing new
-        self._batch: asyncio.Task[None] | None = None
+        self._depth = max(1, batches_in_flight)
+        # The fetched batches in flight, each with the chain keys of its records.
+        self._batches: dict[asyncio.Task[None], frozenset[object]] = {}
         self._retrier: asyncio.Task[None] | None = None
         self._retrying = False
         self._wake = asyncio.Event()
@@ -186,46 +195,73 @@ class PartitionWork:
 
     @property
     def busy(self) -> bool:
-        return self._batch is not None
+        """A fetched batch is running."""
+        return bool(self._batches)
+
+    @property
+    def full(self) -> bool:
+        """As many fetched batches are running as may: take no other (the partition is paused)."""
+        return len(self._batches) >= self._depth
 
     # -- fetched batches ------------------------------------------------------------------
 
     def feed(self, records: Sequence[ConsumerRecord]) -> None:
-        """Take a fetched batch (the partition is paused until it has run)."""
-        assert self._batch is None, "a partition runs one fetched batch at a time"
+        """Take a fetched batch; the partition is paused while `full`."""
+        assert not self.full, "a partition runs at most batches_in_flight fetched batches"
         if self.committed is None:
             self.committed = records[0].offset  # where the group stood when we got it
         for record in records:
             self.pending[record.offset] = False
         self.fetched_to = records[-1].offset + 1
-        self._pause(self.tp)
+        earlier = dict(self._batches)
+        if len(earlier) + 1 >= self._depth or self.held_count >= self._max_held:
+            self._pause(self.tp)
         self._idle.clear()
-        self._batch = asyncio.create_task(
-            self._run_batch(records), name=f"kafka-batch-{self.tp.topic}-{self.tp.partition}"
+        task = asyncio.create_task(
+            self._run_batch(records, earlier),
+            name=f"kafka-batch-{self.tp.topic}-{self.tp.partition}",
         )
+        self._batches[task] = frozenset(_chain_key(record) for record in records)
 
-    async def _run_batch(self, records: Sequence[ConsumerRecord]) -> None:
+    async def _run_batch(
+        self,
+        records: Sequence[ConsumerRecord],
+        earlier: dict[asyncio.Task[None], frozenset[object]],
+    ) -> None:
+        """Run a fetched batch: its records of keys that the `earlier` batches (still in flight
+        when it was fetched) hold run once those batches have ended, the others at once."""
+        task = asyncio.current_task()
         try:
-            for start in range(0, len(records), self._batch_max):
-                for wave in _waves(records[start : start + self._batch_max]):
-                    if self.closing:
-                        # Revoked or stopping: the next owner may be running these already.
-                        # What is left stays uncommitted (the commit stops at its first offset)
-                        # and is read again there, where the claims make done ones duplicates.
-                        return
-                    ready: list[KafkaDelivery] = []
-                    for record in wave:
-                        delivery = KafkaDelivery(self, record)
-                        chain = self.held.get(_chain_key(record))
-                        if chain is not None:
-                            chain.append(delivery)  # runs after the held message of its key
-                        else:
-                            ready.append(delivery)
-                    if ready:
-                        await self._run(ready)
+            taken = frozenset().union(*earlier.values()) if earlier else frozenset()
+            now = [r for r in records if _chain_key(r) not in taken]
+            later = [r for r in records if _chain_key(r) in taken]
+            await self._run_records(now)
+            if later:
+                await asyncio.wait(earlier)
+                await self._run_records(later)
         finally:
-            self._batch = None
+            if task is not None:
+                self._batches.pop(task, None)
             self._after_work()
+
+    async def _run_records(self, records: Sequence[ConsumerRecord]) -> None:
+        for start in range(0, len(records), self._batch_max):
+            for wave in _waves(records[start : start + self._batch_max]):
+                if self.closing:
+                    # Revoked or stopping: the next owner may be running these already.
+                    # What is left stays uncommitted (the commit stops at its first offset)
+                    # and is read again there, where the claims make done ones duplicates.
+                    return
+                ready: list[KafkaDelivery] = []
+                for record in wave:
+                    delivery = KafkaDelivery(self, record)
+                    chain = self.held.get(_chain_key(record))
+                    if chain is not None:
+                        chain.append(delivery)  # runs after the held message of its key
+                    else:
+                        ready.append(delivery)
+                if ready:
+                    await self._run(ready)
 
     async def _run(self, deliveries: Sequence[KafkaDelivery]) -> None:
         try:
@@ -308,6 +344,8 @@ class PartitionWork:
             chain.extend(items)
         else:
             self.held[key] = collections.deque([again])
+            if self.held_count >= self._max_held:
+                self._pause(self.tp)  # resumed once fewer are held (_after_work)
         if self._retrier is None or self._retrier.done():
             self._retrier = asyncio.create_task(
                 self._retry_loop(), name=f"kafka-retry-{self.tp.topic}-{self.tp.partition}"
@@ -336,8 +374,9 @@ class PartitionWork:
                 self._after_work()
 
     def _after_work(self) -> None:
-        if self._batch is None and not self._retrying:
-            self._idle.set()
+        if not self._retrying and not self.full:
+            if not self._batches:
+                self._idle.set()
             if not self.closing and self.held_count < self._max_held:
                 self._resume(self.tp)
 
