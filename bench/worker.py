@@ -252,6 +252,9 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
                         break
                 print("READY", flush=True)
 
+            from dedupe.worker import freeze_startup_heap
+
+            freeze_startup_heap()  # as `dedupe-worker run` does once started
             ready = asyncio.create_task(announce())
             serving = asyncio.create_task(transport.serve(list(app.channels), process, tally.stop))
             await asyncio.wait(

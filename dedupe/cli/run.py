@@ -14,7 +14,7 @@ from ..metrics import Metrics
 from ..observe import Observer
 from ..pipeline import Processor
 from ..settings import Settings
-from ..worker import Worker, broker_unreachable
+from ..worker import Worker, broker_unreachable, freeze_startup_heap
 from .options import load_app, logger
 
 __all__ = ["broker_unreachable", "cmd_run"]
@@ -47,6 +47,7 @@ async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         loop.add_signal_handler(signum, on_signal, signum)
     async with worker:
         processor = worker.processor
+        freeze_startup_heap()  # started: no later full collection walks all of this again
         async with _metrics_served(metrics, processor, settings):
             logger.info(
                 "worker %s running app %r on %s: %s",
