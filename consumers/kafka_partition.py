@@ -2,10 +2,9 @@
 
 A fetched batch runs as one `process()` call per wave: a wave never holds two records of one
 record key, so messages of a key run in offset order while the others run side by side. Up to
-BATCHES_IN_FLIGHT fetched batches run at once: the next batch's records of keys the earlier
-ones hold wait for those batches to end, the others start at once (the partition is paused only
-once that many are in flight, so a record arriving meanwhile is not kept waiting for a whole
-batch's claim and completion before it is even fetched). A
+BATCHES_IN_FLIGHT batches run at once; a batch's records of keys an earlier one holds wait for
+it to end. The partition is paused at that many, while held messages run again, or while too
+many are held: a record is not left unfetched for a whole batch's claim and completion. A
 message the core defers or requeues is held, with the later messages of its key queued behind
 it, and runs again when due, beside the stream; so is one whose dead letter or reply the broker
 refused, or whose settling failed. The commit position is the first offset without a final
@@ -19,7 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from dedupe.keys import MESSAGE_ID_HEADER
@@ -221,7 +220,8 @@ class PartitionWork:
             self._run_batch(records, earlier),
             name=f"kafka-batch-{self.tp.topic}-{self.tp.partition}",
         )
-        self._batches[task] = frozenset(_chain_key(record) for record in records)
+        if not task.done():  # (an eager task factory may have run it to its end already)
+            self._batches[task] = frozenset(_chain_key(record) for record in records)
 
     async def _run_batch(
         self,
@@ -232,19 +232,20 @@ class PartitionWork:
         when it was fetched) hold run once those batches have ended, the others at once."""
         task = asyncio.current_task()
         try:
-            taken = frozenset().union(*earlier.values()) if earlier else frozenset()
+            taken = frozenset[object]().union(*earlier.values())
             now = [r for r in records if _chain_key(r) not in taken]
             later = [r for r in records if _chain_key(r) in taken]
-            await self._run_records(now)
-            if later:
-                await asyncio.wait(earlier)
-                await self._run_records(later)
+            await asyncio.gather(self._run_records(now), self._run_records(later, after=earlier))
         finally:
             if task is not None:
                 self._batches.pop(task, None)
             self._after_work()
 
-    async def _run_records(self, records: Sequence[ConsumerRecord]) -> None:
+    async def _run_records(
+        self, records: Sequence[ConsumerRecord], *, after: Iterable[asyncio.Task[None]] = ()
+    ) -> None:
+        if records and (after := list(after)):
+            await asyncio.wait(after)
         for start in range(0, len(records), self._batch_max):
             for wave in _waves(records[start : start + self._batch_max]):
                 if self.closing:
@@ -344,8 +345,10 @@ class PartitionWork:
             chain.extend(items)
         else:
             self.held[key] = collections.deque([again])
-            if self.held_count >= self._max_held:
-                self._pause(self.tp)  # resumed once fewer are held (_after_work)
+            if self.held_count >= self._max_held and not self.closing:
+                # Resumed once fewer are held (_after_work). Never once closing: the partition
+                # may be another PartitionWork's by now (revoked, then assigned here again).
+                self._pause(self.tp)
         if self._retrier is None or self._retrier.done():
             self._retrier = asyncio.create_task(
                 self._retry_loop(), name=f"kafka-retry-{self.tp.topic}-{self.tp.partition}"

@@ -141,8 +141,8 @@ class Processor:
                 )
                 batch.runners.append(stopper)
                 self._inflight.add(stopper)
-        # Batches that were still claiming when the wait began start their runs later (one
-        # per partition on Kafka): wait for those too, within the same deadline.
+        # Batches that were still claiming when the wait began start their runs later (up to
+        # two per partition on Kafka): wait for those too, within the same deadline.
         while self._inflight and (remaining := deadline - loop.time()) > 0:
             await asyncio.wait(set(self._inflight), timeout=remaining)
         self.leases.stop_running()

@@ -180,6 +180,27 @@ async def test_a_partition_closed_while_a_batch_waits_for_an_earlier_one_starts_
     assert h.work.position() == 1  # offset 0 ran and is done; 1 is left uncommitted
 
 
+async def test_a_closed_partition_never_pauses_its_topic_partition_again() -> None:
+    """A revoked partition's late batch fails inside the core and holds its record up to
+    max_held: it must not pause the topic partition, which a new PartitionWork may own by now
+    (revoked, then assigned to this worker again), and which nothing would resume."""
+    h = Harness(max_held=1)
+    gate = asyncio.Event()
+
+    async def process(channel: str, deliveries: Sequence[Delivery]) -> None:
+        await gate.wait()
+        raise RuntimeError("bug")
+
+    h.work._process = process
+    h.work.feed(records("a"))
+    await asyncio.sleep(0.01)
+    h.work.close()
+    paused = h.paused
+    gate.set()
+    await h.idle()
+    assert h.paused == paused
+
+
 async def test_the_commit_position_stops_at_a_deferred_message_until_it_is_settled() -> None:
     """Later offsets complete, but nothing is committed past the one still waiting."""
     h = Harness(decide=defer_first_attempt(1, delay_s=0.3))
