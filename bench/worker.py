@@ -216,6 +216,9 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
     statements: dict[str, list[int]] = {}  # name -> [statements, items]
     async with pool:
         store = ClaimStore(pool, owner=settings.worker_name)
+        from dedupe.worker import WARM_CONNECTIONS
+
+        await store.warm_up(WARM_CONNECTIONS)  # as dedupe.Worker does at its start
         for name in ("claim_batch", "complete"):
             method = getattr(store, name)
 

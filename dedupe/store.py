@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -144,6 +145,30 @@ class ClaimStore:
                 scope=request.scope, key=request.key, token=None, attempts=0, refused=why
             )
         return [by_key[(r.scope, r.key)] for r in requests]
+
+    async def warm_up(self, connections: int) -> None:
+        """Open up to `connections` pooled connections and plan the hot statements on each:
+        each runs once with no rows (nothing is claimed or changed), so the first messages
+        after a start do not wait for connects and planning. Best effort: errors are logged."""
+        acquired = await asyncio.gather(
+            *(self.pool.acquire() for _ in range(max(0, connections))), return_exceptions=True
+        )
+        try:
+            for conn in acquired:
+                if isinstance(conn, BaseException):
+                    logger.debug("warming up a connection failed: %s", conn)
+                    continue
+                await conn.fetch(self._q["claim_batch"], [], [], [], "", 1.0, 1.0, 0, [], [], [])
+                await conn.fetch(self._q["complete"], [], [], [], [], [])
+                await conn.fetch(self._q["heartbeat"], [], [], [], [])
+        except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
+            logger.debug("warming up the claim statements failed: %s", exc)
+        finally:
+            for conn in acquired:
+                if not isinstance(conn, BaseException):
+                    if hasattr(conn, "mark_clean"):
+                        conn.mark_clean()  # no session state to reset
+                    await self.pool.release(conn)
 
     async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[tuple[str, str]]:
         """Extend leases; return the (scope, key) pairs that are still ours.

@@ -54,6 +54,10 @@ async def retrying(what: str, connect: Callable[[], Awaitable[T]], timeout_s: fl
             delay = min(delay * 2, 5.0)
 
 
+# Pooled connections opened, with the claim statements planned, before the first delivery.
+WARM_CONNECTIONS = 8
+
+
 def freeze_startup_heap() -> None:
     """Leave what is alive once a worker has started (modules, the app, pools, prepared
     statements) out of every later garbage collection (`gc.freeze()`).
@@ -155,6 +159,8 @@ class Worker:
             self._resources.push_async_callback(pool.close)
             store = ClaimStore(pool, owner=settings.worker_name)
             await check_migrated(store)
+            # The first messages after a start would otherwise wait for connects and planning.
+            await store.warm_up(WARM_CONNECTIONS)
             activity = await self._resources.enter_async_context(Activity(store))
             observers: list[Observer] = [activity, *self._observers]
             tracer = tracing.tracer_for(store)

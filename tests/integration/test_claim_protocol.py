@@ -628,3 +628,20 @@ async def test_a_failure_whose_dead_letter_never_went_out_is_dead_lettered_again
         later = job("k")
         assert await process(processor, later) == [Action.ACK]
         assert later.settlements[-1].duplicate
+
+
+async def test_warm_up_opens_connections_with_the_claim_statements_planned_and_claims_nothing(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A started worker's first messages do not wait for connects and planning: warm_up opens
+    the connections and runs each hot statement once with no rows, which changes nothing."""
+    assert store.pool.get_size() == 1
+    await store.warm_up(6)
+    assert store.pool.get_size() == 6
+    assert await db.fetchval("SELECT count(*) FROM dedupe_claims") == 0
+    async with store.pool.acquire() as conn:
+        cached = {s.query for s in conn._stmt_cache.iter_statements()}  # asyncpg's cache
+    assert {store._q["claim_batch"], store._q["complete"], store._q["heartbeat"]} <= cached
+    # A claim after it works as ever.
+    (claim,) = await store.claim_batch([ClaimRequest("s", "k", b"h")], lease_s=30, retention_s=60)
+    assert claim.owned
