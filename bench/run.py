@@ -37,6 +37,7 @@ import asyncpg  # noqa: E402
 
 from bench.apps import PUBLISHING, out_channel  # noqa: E402
 from dedupe.store import migrate  # noqa: E402
+from dedupe.testing_databases import drop_forced  # noqa: E402
 
 ADMIN_URL = os.environ.get(
     "DEDUPE_DATABASE_URL", "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
@@ -75,7 +76,8 @@ async def fresh_database() -> AsyncIterator[str]:
     finally:
         admin = await asyncpg.connect(ADMIN_URL)
         try:
-            await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            # Retried while an autovacuum worker is in it (PostgreSQL refuses to end it for us).
+            await drop_forced(admin, name)
         finally:
             await admin.close()
 
