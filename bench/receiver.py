@@ -213,10 +213,13 @@ async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str) -> Non
     import asyncpg
 
     from consumers.rabbitmq import delete_channels
+    from dedupe.testing_databases import drop_forced
 
     admin = await asyncpg.connect(admin_url)
-    await admin.execute(f"DROP DATABASE IF EXISTS {db_name} WITH (FORCE)")
-    await admin.close()
+    try:
+        await drop_forced(admin, db_name)  # retried while autovacuum is in it
+    finally:
+        await admin.close()
     with contextlib.suppress(Exception):
         await delete_channels(broker, make_app(prefix=prefix).channels)
 

@@ -28,6 +28,7 @@ import asyncpg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dedupe.testing_databases import drop_forced  # noqa: E402
 from handlers.payments import RECEIPTS, app, setup  # noqa: E402
 from scripts.demo_workers import CHANNEL, LOGS, Workers, make_broker  # noqa: E402
 
@@ -94,7 +95,7 @@ async def run(args: argparse.Namespace) -> int:
     broker = make_broker(args.broker, amqp_url=AMQP_URL, kafka_url=KAFKA_URL)
     say(f"database {DEMO_DB} (fresh), broker {broker.name}, channels '{CHANNEL}', '{RECEIPTS}'")
     admin = await asyncpg.connect(ADMIN_URL)
-    await admin.execute(f"DROP DATABASE IF EXISTS {DEMO_DB} WITH (FORCE)")
+    await drop_forced(admin, DEMO_DB)  # retried while autovacuum is in it
     await admin.execute(f"CREATE DATABASE {DEMO_DB}")
     await admin.close()
     await asyncio.to_thread(
