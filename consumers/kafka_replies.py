@@ -77,7 +77,11 @@ class Replies:
             )
             return True
         correlation = next(
-            (bytes(v) for k, v in record.headers or () if k.lower() == CORRELATION_ID_HEADER),
+            (
+                bytes(v)
+                for k, v in record.headers or ()
+                if k.lower() == CORRELATION_ID_HEADER and v is not None  # a null header: none
+            ),
             None,
         )
         reply_headers = [("content-type", b"application/json")]

@@ -1,12 +1,13 @@
 """What the claim protocol's statements take and answer: a claim request, its answer (ours, or
 the row in the way), and the fence a claim of ours is held by. No I/O.
 
-These records, the verdicts (dedupe.claiming), the envelope (dedupe.message.Message), the ticket
-and the settlement are made once or more per message, and treated as values: nothing assigns to
-them after they are made. They are not `frozen=True` only because a frozen dataclass's
-`__init__` sets each field through `object.__setattr__`: 6.2 us for a `Claim` against 1.2 us,
-about a tenth of a Kafka worker's CPU across the records of one message. `unsafe_hash=True`
-keeps the hash a frozen one would have (eq and hash over the fields), so they still work as keys.
+These records, the verdicts (dedupe.claiming) and the ticket are made once or more per message
+inside the pipeline, and treated as values: nothing assigns to them after they are made. They
+are not `frozen=True` only because a frozen dataclass's `__init__` sets each field through
+`object.__setattr__`: 6.2 us for a `Claim` against 1.2 us. `unsafe_hash=True` keeps the hash a
+frozen one would have (eq and hash over the fields), so they still work as keys. What users and
+transports are handed stays frozen: `dedupe.Message` and `Settlement` (shared constants such as
+`ACK` among them).
 """
 
 from __future__ import annotations

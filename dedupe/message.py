@@ -49,7 +49,7 @@ class Headers(Mapping[str, str]):
         return f"Headers({sorted(self._items)!r})"
 
 
-@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
+@dataclass(frozen=True, slots=True)
 class Message:
     """One delivery: raw body, headers, the broker's message id and where it came from.
 

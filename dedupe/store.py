@@ -146,29 +146,33 @@ class ClaimStore:
             )
         return [by_key[(r.scope, r.key)] for r in requests]
 
-    async def warm_up(self, connections: int) -> None:
-        """Open up to `connections` pooled connections and plan the hot statements on each:
-        each runs once with no rows (nothing is claimed or changed), so the first messages
-        after a start do not wait for connects and planning. Best effort: errors are logged."""
-        acquired = await asyncio.gather(
-            *(self.pool.acquire() for _ in range(max(0, connections))), return_exceptions=True
-        )
+    async def warm_up(self, connections: int, *, timeout_s: float = 5.0) -> None:
+        """Open up to `connections` pooled connections (never more than the pool holds) and
+        plan the hot statements on each: each runs once with no rows (nothing is claimed or
+        changed), so the first messages after a start do not wait for connects and planning.
+        Best effort, bounded by `timeout_s`: a failure is logged and the start goes on."""
+        count = min(max(0, connections), self.pool.get_max_size())
+
+        async def warm(stack: contextlib.AsyncExitStack) -> None:
+            # Each connection is registered as soon as it is acquired, so a cancellation or a
+            # failure releases every one already taken.
+            conn = await stack.enter_async_context(self.pool.acquire())
+            await conn.fetch(self._q["claim_batch"], [], [], [], "", 1.0, 1.0, 0, [], [], [])
+            await conn.fetch(self._q["complete"], [], [], [], [], [])
+            await conn.fetch(self._q["heartbeat"], [], [], [], [])
+            conn.mark_clean()  # no session state to reset
+
         try:
-            for conn in acquired:
-                if isinstance(conn, BaseException):
-                    logger.debug("warming up a connection failed: %s", conn)
-                    continue
-                await conn.fetch(self._q["claim_batch"], [], [], [], "", 1.0, 1.0, 0, [], [], [])
-                await conn.fetch(self._q["complete"], [], [], [], [], [])
-                await conn.fetch(self._q["heartbeat"], [], [], [], [])
-        except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
-            logger.debug("warming up the claim statements failed: %s", exc)
-        finally:
-            for conn in acquired:
-                if not isinstance(conn, BaseException):
-                    if hasattr(conn, "mark_clean"):
-                        conn.mark_clean()  # no session state to reset
-                    await self.pool.release(conn)
+            async with asyncio.timeout(timeout_s), contextlib.AsyncExitStack() as stack:
+                # All of them end before the stack releases what they took.
+                results = await asyncio.gather(
+                    *(warm(stack) for _ in range(count)), return_exceptions=True
+                )
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise failed[0]
+        except Exception as exc:  # never fails the start: the first claims connect instead
+            logger.warning("warming up the claims pool failed (%r); going on without", exc)
 
     async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[tuple[str, str]]:
         """Extend leases; return the (scope, key) pairs that are still ours.

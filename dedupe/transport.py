@@ -33,7 +33,7 @@ class Reason(enum.StrEnum):
     NO_HANDLER = "no_handler"
 
 
-@dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims.py
+@dataclass(frozen=True, slots=True)
 class Settlement:
     action: Action
     reason: Reason | None = None

@@ -65,7 +65,9 @@ def freeze_startup_heap() -> None:
     A full collection walks every tracked object: in a started worker it paused the event loop
     for 20-40 ms every few seconds, a stall every message in flight then waited out. After
     the freeze no pause over 5 ms was seen (a 10 s Kafka run at 1,000 msg/s). `dedupe-worker
-    run` calls it once started; a service embedding `Worker` may call it after its own start-up.
+    run` calls it once started; a service embedding `Worker` may call it once after its own
+    start-up (once per process: objects frozen and later dropped in a reference cycle are never
+    collected; `gc.unfreeze()` undoes it).
     """
     gc.collect()
     gc.freeze()

@@ -645,3 +645,26 @@ async def test_warm_up_opens_connections_with_the_claim_statements_planned_and_c
     # A claim after it works as ever.
     (claim,) = await store.claim_batch([ClaimRequest("s", "k", b"h")], lease_s=30, retention_s=60)
     assert claim.owned
+
+
+async def test_warm_up_never_waits_for_more_connections_than_the_pool_holds(db_url: str) -> None:
+    """A worker with --concurrency 1 has a pool of 5: warming 8 takes the 5 and goes on (it
+    waited forever for the other 3 before), and every connection is back in the pool."""
+    async with ClaimStore.open(db_url, owner="w", max_size=5) as small:
+        async with asyncio.timeout(10):
+            await small.warm_up(8)
+        assert small.pool.get_size() == 5
+        assert small.pool.get_idle_size() == 5
+
+
+async def test_warm_up_cut_off_by_its_timeout_gives_every_connection_back(
+    db_url: str, db: asyncpg.Connection
+) -> None:
+    """A warm-up slower than its bound is abandoned with a warning, never an error, and leaves
+    nothing held: the pool still closes at once."""
+    async with db.transaction():
+        await db.execute("LOCK TABLE dedupe_claims IN ACCESS EXCLUSIVE MODE")
+        async with ClaimStore.open(db_url, owner="w", max_size=4) as store:
+            async with asyncio.timeout(10):
+                await store.warm_up(4, timeout_s=0.5)  # the claim statements wait on the lock
+            assert store.pool.get_idle_size() == store.pool.get_size()
