@@ -57,15 +57,14 @@ async def create_database(server_url: str, schema: Schema | None = None) -> str:
     name = f"{_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
     admin = await _admin(server_url)
     try:
-        for attempt in range(20):
-            try:
-                await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-                break
-            except asyncpg.ObjectInUseError:
-                # Autovacuum may visit the template for a moment: try again.
-                if attempt == 19:
-                    raise
-                await asyncio.sleep(0.25)
+        # Autovacuum may visit the template for a moment ("being accessed by other users").
+        await _execute_retrying(
+            admin,
+            f'CREATE DATABASE "{name}" TEMPLATE "{template}"',
+            refused=asyncpg.ObjectInUseError,
+            attempts=20,
+            pause_s=0.25,
+        )
     finally:
         await admin.close()
     return database_url(server_url, name)
@@ -88,14 +87,33 @@ async def drop_forced(admin: asyncpg.Connection, name: str) -> None:
     not a superuser ("must be a member of the role whose process is being terminated"): most
     likely an autovacuum worker in the database, which it cannot terminate for us and which is
     done within seconds."""
-    for attempt in range(40):
+    await _execute_retrying(
+        admin,
+        f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)',
+        refused=asyncpg.InsufficientPrivilegeError,
+        attempts=40,
+        pause_s=0.5,
+    )
+
+
+async def _execute_retrying(
+    admin: asyncpg.Connection,
+    sql: str,
+    *,
+    refused: type[asyncpg.PostgresError],
+    attempts: int,
+    pause_s: float,
+) -> None:
+    """Run `sql`, again after `pause_s` each time PostgreSQL refuses it with `refused`, a
+    refusal that passes by itself; the last refusal is raised."""
+    for attempt in range(attempts):
         try:
-            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            await admin.execute(sql)
             return
-        except asyncpg.InsufficientPrivilegeError:
-            if attempt == 39:
+        except refused:
+            if attempt == attempts - 1:
                 raise
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(pause_s)
 
 
 async def drop_templates() -> None:

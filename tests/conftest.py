@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import urllib.parse
 import uuid
 import warnings
 from collections.abc import AsyncIterator
@@ -18,9 +17,10 @@ import asyncpg
 import pytest
 
 from dedupe.app import App
+from dedupe.errors import ConfigurationError
 from dedupe.pipeline import Processor
-from dedupe.store import ClaimStore, migrate
-from dedupe.testing_databases import drop_forced
+from dedupe.store import ClaimStore
+from dedupe.testing_databases import create_database, drop_database, drop_templates
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = os.environ.get(
@@ -28,14 +28,6 @@ ADMIN_URL = os.environ.get(
 )
 AMQP_URL = os.environ.get("DEDUPE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 KAFKA_URL = os.environ.get("DEDUPE_TEST_KAFKA_URL", "kafka://127.0.0.1:9092")
-# Test databases carry the pid of the pytest process that made them, so that a later run can
-# drop those of runs that were killed before their clean-up (see _drop_orphans).
-TEMPLATE = f"dedupe_tpl_{os.getpid()}"
-
-
-def database_url(name: str) -> str:
-    base, _, _ = ADMIN_URL.rpartition("/")
-    return f"{base}/{name}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -47,78 +39,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-async def template_db() -> AsyncIterator[str]:
-    """A migrated database that each test clones (CREATE DATABASE ... TEMPLATE is fast)."""
-    try:
-        admin = await asyncpg.connect(ADMIN_URL, timeout=5)
-    except (OSError, asyncpg.PostgresError) as exc:
-        pytest.fail(f"PostgreSQL is not reachable at {ADMIN_URL} ({exc}); run `make services`")
-    try:
-        await _drop_orphans(admin)
-        await admin.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
-        await admin.execute(f"CREATE DATABASE {TEMPLATE}")
-    finally:
-        await admin.close()
-    await migrate(database_url(TEMPLATE))
-    from handlers.payments import setup
-
-    await setup(database_url(TEMPLATE))
-    yield TEMPLATE
-    admin = await asyncpg.connect(ADMIN_URL)
-    try:
-        await admin.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
-    finally:
-        await admin.close()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-async def _drop_orphans(admin: asyncpg.Connection) -> None:
-    """Drop the test databases of pytest runs on this machine that died before cleaning up."""
-    host = urllib.parse.urlsplit(ADMIN_URL).hostname
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        return  # another machine's pids mean nothing here
-    names = await admin.fetch(
-        r"SELECT datname FROM pg_database WHERE datname ~ '^dedupe_(t|tpl)_[0-9]+(_|$)'"
-    )
-    for (name,) in names:
-        pid = int(name.split("_")[2])
-        if pid != os.getpid() and not _pid_alive(pid):
-            with contextlib.suppress(asyncpg.PostgresError):
-                await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+async def _test_databases() -> AsyncIterator[None]:
+    """The suite's databases come from dedupe.testing (one migrated template with the payments
+    tables, cloned per test); its templates are dropped at the session's end."""
+    yield
+    await drop_templates()
 
 
 @pytest.fixture
-async def db_url(template_db: str) -> AsyncIterator[str]:
-    """A fresh, migrated database for one test."""
-    name = f"dedupe_t_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(ADMIN_URL)
+async def db_url(_test_databases: None) -> AsyncIterator[str]:
+    """A fresh, migrated database for one test, with the payments handler's tables."""
+    from handlers.payments import setup
+
     try:
-        for attempt in range(10):
-            try:
-                await admin.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
-                break
-            except asyncpg.ObjectInUseError:
-                # An autovacuum worker may visit the template for a moment: try again.
-                if attempt == 9:
-                    raise
-                await asyncio.sleep(0.5)
-    finally:
-        await admin.close()
-    yield database_url(name)
-    admin = await asyncpg.connect(ADMIN_URL)
-    try:
-        await drop_forced(admin, name)
-    finally:
-        await admin.close()
+        url = await create_database(ADMIN_URL, setup)
+    except ConfigurationError as exc:
+        pytest.fail(f"{exc} Run `make services`.")
+    yield url
+    await drop_database(ADMIN_URL, url)
 
 
 @pytest.fixture
@@ -147,17 +85,19 @@ async def channel(request: pytest.FixtureRequest) -> AsyncIterator[str]:
     await delete_channel_everywhere(request, name)
 
 
-async def delete_channel_everywhere(request: pytest.FixtureRequest, name: str) -> None:
+async def delete_channel_everywhere(request: pytest.FixtureRequest, *names: str) -> None:
+    """Delete these channels' RabbitMQ queues, and their Kafka topics too when the test is a
+    Kafka one (by its id or its use of the kafka_url fixture)."""
     from consumers import kafka_clients, rabbitmq
 
-    deletions = [rabbitmq.delete_channels(AMQP_URL, [name])]
+    deletions = [rabbitmq.delete_channels(AMQP_URL, list(names))]
     if "kafka" in request.node.nodeid.lower() or "kafka_url" in request.fixturenames:
-        deletions.append(kafka_clients.delete_channels(KAFKA_URL, [name]))
+        deletions.append(kafka_clients.delete_channels(KAFKA_URL, list(names)))
     for deletion in deletions:
         try:
             await asyncio.wait_for(deletion, timeout=15)
         except Exception as exc:  # a broker stopped by the test itself: nothing to tidy
-            warnings.warn(f"could not delete the test channel {name}: {exc!r}", stacklevel=1)
+            warnings.warn(f"could not delete the test channels {names}: {exc!r}", stacklevel=1)
 
 
 @pytest.fixture
