@@ -39,7 +39,7 @@ from dedupe import App
 from dedupe.store import ClaimRequest, ClaimStore
 from dedupe.webhooks import api_key, env, github
 from handlers.webhooks import make_app, setup
-from tests.conftest import KAFKA_URL, ROOT, eventually, running
+from tests.conftest import KAFKA_URL, ROOT, delete_channel_everywhere, eventually, running
 
 GH_SECRET = "gh-secret-7f3a9c1e"
 STRIPE_SECRET = "whsec_stripe-secret-5b2d8e"
@@ -129,11 +129,12 @@ def secrets(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-async def hooks(secrets: None, channel: str, amqp_url: str) -> AsyncIterator[App]:
-    """The example app on channels of this test's own; their queues go at the end."""
+async def hooks(secrets: None, channel: str, request: pytest.FixtureRequest) -> AsyncIterator[App]:
+    """The example app on channels of this test's own; their queues (and a Kafka test's
+    topics) go at the end."""
     app = make_app(prefix=f"{channel}-")
     yield app
-    await rabbitmq.delete_channels(amqp_url, app.channels)
+    await delete_channel_everywhere(request, *app.channels)
 
 
 @pytest.fixture
