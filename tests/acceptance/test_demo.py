@@ -5,7 +5,9 @@ through a durable step) and the receipts (through the outbox). On both brokers."
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -14,18 +16,33 @@ import pytest
 from tests.conftest import ROOT
 
 
+def run_demo(broker: str, *, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """scripts/demo.py in a process group of its own, so that a timeout kills its workers too
+    (subprocess.run's timeout kills the demo alone, and would leave them consuming)."""
+    args = [sys.executable, "scripts/demo.py", "--broker", broker, "--timeout-s", "120"]
+    with subprocess.Popen(
+        args,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as demo:
+        try:
+            stdout, stderr = demo.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(demo.pid, signal.SIGKILL)
+            stdout, stderr = demo.communicate()
+            pytest.fail(f"the demo ran past {timeout_s} s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    return subprocess.CompletedProcess(args, demo.returncode, stdout, stderr)
+
+
 @pytest.mark.parametrize("broker", ["rabbitmq", "kafka"])
 def test_the_demo_charges_every_valid_payment_and_sends_its_receipt_once_through_a_crash(
     broker: str,
 ) -> None:
     """Charges, provider calls and receipts once per payment across the SIGKILL."""
-    result = subprocess.run(
-        [sys.executable, "scripts/demo.py", "--broker", broker, "--timeout-s", "120"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    result = run_demo(broker, timeout_s=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (
         "RESULT: every valid payment charged exactly once, its receipt sent once" in result.stdout
