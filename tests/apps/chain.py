@@ -14,12 +14,11 @@ Test-only configuration, read when the module is imported by a worker process:
 from __future__ import annotations
 
 import os
-import signal
 
 from pydantic import BaseModel
 
-from dedupe import App, Context, Message
-from tests.apps.chaos import HOSTILE_RESULTS, ExternalService, PoisonError, Work, _take
+from dedupe import App, Context
+from tests.apps.chaos import HOSTILE_RESULTS, ExternalService, PoisonError, Work, install_failpoint
 
 app = App("chain")
 CHANNEL = os.environ.get("CHAOS_CHANNEL", "chain")
@@ -29,9 +28,6 @@ SCOPE = f"{app.name}.work"  # stage A's scope; each tenant's claims are under SC
 NEXT_SCOPE = f"{app.name}.deliver"
 
 external = ExternalService()
-
-_FAILPOINT = os.environ.get("CHAOS_FAILPOINT")
-_FUSE = os.environ.get("CHAOS_FUSE", "")
 
 
 class Order(BaseModel):
@@ -81,12 +77,7 @@ async def deliver(order: Order, ctx: Context) -> None:
     )
 
 
-if _FAILPOINT and _FUSE:
-
-    @app.hook(_FAILPOINT)
-    async def failpoint(stage: str, message: Message, scope: str, key: str) -> None:
-        if _take(_FUSE):
-            os.kill(os.getpid(), signal.SIGKILL)
+install_failpoint(app)
 
 
 SCHEMA = """

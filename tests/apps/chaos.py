@@ -124,12 +124,19 @@ async def work(payload: Work, ctx: Context) -> int | dict[str, object]:
     return payload.v
 
 
-if _FAILPOINT and _FUSE:
+def install_failpoint(target: App) -> None:
+    """If CHAOS_FAILPOINT and CHAOS_FUSE are set, a hook at that failpoint of `target` that
+    SIGKILLs its worker when it takes the fuse."""
+    if not (_FAILPOINT and _FUSE):
+        return
 
-    @app.hook(_FAILPOINT)
+    @target.hook(_FAILPOINT)
     async def failpoint(stage: str, message: Message, scope: str, key: str) -> None:
         if _take(_FUSE):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+install_failpoint(app)
 
 
 SCHEMA = """
