@@ -39,6 +39,13 @@ class Spawner:
         """The keys whose handler has begun to run, in any worker so far."""
         return {urllib.parse.unquote(path.name) for path in self.started.iterdir()}
 
+    def frozen_at_start(self, key: str) -> int | None:
+        """gc.get_freeze_count() in the worker whose handler began to run `key`; None before
+        that handler has begun (or while its file is being written)."""
+        path = self.started / urllib.parse.quote(key, safe="")
+        text = path.read_text() if path.exists() else ""
+        return int(text) if text else None
+
     def start(self, broker_url: str, *extra: str, lease_s: float = 2.0) -> subprocess.Popen[bytes]:
         env = {
             **os.environ,

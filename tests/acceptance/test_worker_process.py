@@ -199,3 +199,25 @@ async def test_migrate_is_idempotent_and_claims_commands_inspect_and_release(
     refused = run_cli("claims", "release", "shop.charge", "k2", "--yes", env=env)
     assert refused.returncode == 1 and "never released" in refused.stderr
     assert await db.fetchval("SELECT retryable FROM dedupe_claims WHERE key = 'k1'") is True
+
+
+async def test_a_started_worker_has_frozen_its_start_up_heap(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    spawner: Spawner,
+    amqp_url: str,
+    channel: str,
+    effects: asyncpg.Connection,
+) -> None:
+    """`dedupe-worker run` moves what start-up made (imports, pools, the app) out of the
+    collector's reach before its first delivery, so no full collection walks it again."""
+    worker = spawn()
+    await rabbitmq.publish(amqp_url, channel, [(payload(1), {}, "k1")])
+
+    async def ran() -> bool:
+        return spawner.frozen_at_start("k1") is not None
+
+    await eventually(ran, timeout_s=30)
+    # Tens of thousands of objects on this code; 0 if the worker never froze its heap.
+    assert (spawner.frozen_at_start("k1") or 0) > 5_000
+    worker.send_signal(signal.SIGTERM)
+    assert await wait_exit(worker) == 0

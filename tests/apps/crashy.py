@@ -4,12 +4,14 @@ worker outright (a poison message that no try/except can catch).
 Test-only: the channel and lease come from CRASHY_CHANNEL / CRASHY_LEASE_S so that each test
 gets its own queue. With CRASHY_STARTED_DIR set, a run touches a file named after its key there
 as it starts (outside its transaction): the tests' sign that a handler runs, which a claim in
-progress is not (a claim not started yet is given back at a stop).
+progress is not (a claim not started yet is given back at a stop). The file holds the worker's
+gc.get_freeze_count() at that moment (the start-up heap `dedupe-worker run` froze).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import urllib.parse
 from pathlib import Path
@@ -39,7 +41,8 @@ async def work(payload: Work, ctx: Context) -> int:
     if payload.crash:
         os._exit(17)
     if STARTED_DIR:
-        await asyncio.to_thread(Path(STARTED_DIR, urllib.parse.quote(ctx.key, safe="")).touch)
+        started = Path(STARTED_DIR, urllib.parse.quote(ctx.key, safe=""))
+        await asyncio.to_thread(started.write_text, str(gc.get_freeze_count()))
     await asyncio.sleep(payload.sleep_s)
     await ctx.db.execute(
         "INSERT INTO effects (key, n, pid) VALUES ($1, $2, $3)", ctx.key, payload.n, os.getpid()
