@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.apps import make_app  # noqa: E402
-from bench.run import fresh_database  # noqa: E402
+from bench.harness import fresh_database  # noqa: E402
 from consumers.memory import MemoryDelivery, make_message  # noqa: E402
 from dedupe.pipeline import Processor  # noqa: E402
 from dedupe.store import ClaimStore, connect_pool  # noqa: E402

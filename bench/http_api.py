@@ -203,7 +203,7 @@ def line(name: str, result: dict[str, Any]) -> str:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.run import fresh_database
+    from bench.harness import fresh_database
     from handlers.orders_api import setup
 
     run = uuid.uuid4().hex[:8]
