@@ -120,10 +120,10 @@ async def drop_templates() -> None:
     """Drop the templates this process made (the pytest plugin does it at the session's end)."""
     while _templates:
         (server_url, _), name = _templates.popitem()
-        with contextlib.suppress(OSError, asyncpg.PostgresError):
+        with contextlib.suppress(OSError, asyncpg.PostgresError, ConfigurationError):
             admin = await _admin(server_url)
             try:
-                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                await drop_forced(admin, name)
             finally:
                 await admin.close()
 
