@@ -17,8 +17,8 @@ from typing import Any
 import asyncpg
 
 from bench.apps import PUBLISHING, out_channel
-from dedupe.store import migrate
-from dedupe.testing_databases import drop_forced
+from dedupe.claims.store import migrate
+from dedupe.testing.databases import drop_forced
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = os.environ.get(
@@ -72,13 +72,13 @@ def body(i: int) -> bytes:
 
 
 async def rabbit_publish(queue: str, ids: list[str]) -> None:
-    from consumers.rabbitmq import publish
+    from dedupe_rabbitmq.transport import publish
 
     await publish(AMQP_URL, queue, [(body(i), {}, mid) for i, mid in enumerate(ids)])
 
 
 async def rabbit_delete(queues: list[str]) -> None:
-    from consumers.rabbitmq import delete_channels
+    from dedupe_rabbitmq.transport import delete_channels
 
     with contextlib.suppress(Exception):
         await delete_channels(AMQP_URL, queues)
@@ -87,8 +87,8 @@ async def rabbit_delete(queues: list[str]) -> None:
 async def kafka_publish(topic: str, ids: list[str]) -> None:
     from aiokafka import AIOKafkaProducer
 
-    from consumers.kafka_clients import KafkaOptions, ensure_topics
     from dedupe.transport import dlq_name
+    from dedupe_kafka import KafkaOptions, ensure_topics
 
     options = KafkaOptions.from_url(KAFKA_URL)
     await ensure_topics(options, [topic, dlq_name(topic)])
@@ -113,7 +113,7 @@ async def kafka_publish(topic: str, ids: list[str]) -> None:
 
 
 async def kafka_delete(topics: list[str]) -> None:
-    from consumers.kafka_clients import delete_channels
+    from dedupe_kafka import delete_channels
 
     with contextlib.suppress(Exception):
         await delete_channels(KAFKA_URL, topics)

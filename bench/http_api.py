@@ -60,7 +60,7 @@ def without() -> Any:
 
     @contextlib.asynccontextmanager
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
-        from dedupe.database import connect_pool
+        from dedupe.claims.database import connect_pool
 
         await setup(url)
         api.state.pool = await connect_pool(url, max_size=20)
@@ -89,8 +89,8 @@ class _OwnTransaction:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        from dedupe.asgi_run import run_unkeyed
-        from dedupe.asgi_state import Idempotency
+        from dedupe.asgi.run import run_unkeyed
+        from dedupe.asgi.state import Idempotency
         from dedupe.context import Database
 
         db = Database(self.app.state.pool)
@@ -175,7 +175,11 @@ async def wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
 @contextlib.asynccontextmanager
 async def server(factory: str, db_url: str) -> AsyncIterator[int]:
     port = free_port()
-    env = {**os.environ, "DEDUPE_DATABASE_URL": db_url, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "DEDUPE_DATABASE_URL": db_url,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "consumers")]),
+    }
     proc = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "uvicorn", "--factory", f"bench.http_api:{factory}"],
         *["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],

@@ -63,8 +63,8 @@ async def paced_run(kind: str, target: float, duration_s: float, uvloop: bool) -
     async with fresh_database() as db:
         try:
             if kind.startswith("kafka"):
-                from consumers.kafka_clients import KafkaOptions, ensure_topics
                 from dedupe.transport import dlq_name
+                from dedupe_kafka import KafkaOptions, ensure_topics
 
                 await ensure_topics(KafkaOptions.from_url(KAFKA_URL), [channel, dlq_name(channel)])
             else:

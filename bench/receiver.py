@@ -150,7 +150,7 @@ async def main() -> int:
 
     import asyncpg
 
-    from dedupe.store import migrate
+    from dedupe.claims.store import migrate
 
     run = uuid.uuid4().hex[:8]
     db_name = f"dedupe_bench_{run}"
@@ -174,7 +174,7 @@ async def main() -> int:
             "STRIPE_WEBHOOK_SECRET": "whsec_bench",
             "BILLING_WEBHOOK_SECRET": "whsec_YmVuY2g=",
             "ORDERS_API_KEYS": "bench-key=bench",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "consumers")]),
         }
         command = [sys.executable, "-m", "dedupe.cli", "receive", "bench.receiver:app"]
         proc = await asyncio.create_subprocess_exec(
@@ -212,8 +212,8 @@ async def main() -> int:
 async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str) -> None:
     import asyncpg
 
-    from consumers.rabbitmq import delete_channels
-    from dedupe.testing_databases import drop_forced
+    from dedupe.testing.databases import drop_forced
+    from dedupe_rabbitmq.transport import delete_channels
 
     admin = await asyncpg.connect(admin_url)
     try:

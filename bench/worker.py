@@ -45,9 +45,9 @@ from bench.tally import Tally  # noqa: E402
 
 async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
     from bench.apps import make_app
-    from dedupe.pipeline import Processor
+    from dedupe.claims.store import ClaimStore, connect_pool
+    from dedupe.pipeline.processor import Processor
     from dedupe.settings import Settings
-    from dedupe.store import ClaimStore, connect_pool
     from dedupe.transport import Transport
 
     publisher: Any = None
@@ -55,11 +55,11 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
         # The relay's publisher (outbox) or the handler's own (direct): the same confirming
         # publisher the worker gets from its transport plugin.
         if args.broker.startswith("kafka://"):
-            from consumers.kafka import KafkaPublisher
+            from dedupe_kafka.transport import KafkaPublisher
 
             publisher = KafkaPublisher(args.broker)
         else:
-            from consumers.rabbitmq import RabbitMQPublisher
+            from dedupe_rabbitmq.transport import RabbitMQPublisher
 
             publisher = RabbitMQPublisher(args.broker)
     app = make_app(args.channel, args.handler, tally, publisher=publisher)
@@ -72,11 +72,11 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
     )
     transport: Transport
     if args.broker.startswith("kafka://"):
-        from consumers.kafka import KafkaTransport
+        from dedupe_kafka.transport import KafkaTransport
 
         transport = KafkaTransport(args.broker, settings=settings, app_name=args.group)
     else:
-        from consumers.rabbitmq import RabbitMQTransport
+        from dedupe_rabbitmq.transport import RabbitMQTransport
 
         transport = RabbitMQTransport(
             args.broker, prefetch=settings.effective_prefetch, batch_max=settings.effective_prefetch

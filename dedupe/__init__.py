@@ -10,11 +10,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .app import App, Handler
-    from .context import Context, Database
-    from .errors import DedupeError, Reject, Retry
-    from .message import Headers, Message
-    from .worker import Worker
+    from dedupe.app import App, Handler
+    from dedupe.context import Context, Database
+    from dedupe.errors import DedupeError, Reject, Retry
+    from dedupe.message import Headers, Message
+    from dedupe.worker import Worker
 
 # Loaded on first use, so that importing a submodule alone (the pytest plugin, which every
 # pytest run of a project with dedupe-worker installed loads) costs nothing more.

@@ -10,13 +10,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .context import Context
-from .decoding import Decoder, decoder_for
-from .errors import ConfigurationError
-from .fingerprints import RAW, Fingerprint, FingerprintSpec, compile_fingerprint
-from .keys import KeyFunc, KeySpec, compile_key
-from .message import Message
-from .webhooks import DEFAULT_MAX_BODY_BYTES, Verifier, WebhookSource
+from dedupe.claims.fingerprints import RAW, Fingerprint, FingerprintSpec, compile_fingerprint
+from dedupe.claims.keys import KeyFunc, KeySpec, compile_key
+from dedupe.context import Context
+from dedupe.decoding import Decoder, decoder_for
+from dedupe.errors import ConfigurationError
+from dedupe.message import Message
+from dedupe.webhooks.sources import DEFAULT_MAX_BODY_BYTES, WebhookSource
+from dedupe.webhooks.verifiers import Verifier
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from typing import Any, Protocol
 
 import asyncpg
 
-from .message import Message
+from dedupe.message import Message
 
 
 class Effects(Protocol):
-    """What a run can do beyond its return value (dedupe.effects.RunEffects)."""
+    """What a run can do beyond its return value (dedupe.effects.run_effects.RunEffects)."""
 
     async def publish(
         self,

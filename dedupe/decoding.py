@@ -8,8 +8,8 @@ from typing import Any
 
 import pydantic
 
-from .errors import ConfigurationError, InvalidPayload
-from .message import Message
+from dedupe.errors import ConfigurationError, InvalidPayload
+from dedupe.message import Message
 
 Decoder = Callable[[Message], Any]
 

@@ -4,7 +4,7 @@ A broker package (ours in `consumers/`, or a third party's: NATS, Redis Streams,
 a `TransportPlugin` in its `pyproject.toml`::
 
     [project.entry-points."dedupe.transports"]
-    amqp = "consumers.rabbitmq_plugin:plugin"
+    amqp = "dedupe_rabbitmq.plugin:plugin"
 
 and the HTTP servers the CLI starts (`receive`, `status --serve`) register a `Server` under
 `dedupe.servers`. Nothing in `dedupe/` imports a broker client or an HTTP library.
@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import ConfigurationError
-from .registry import SERVERS, TRANSPORTS, installed_schemes, registered, scheme_of
-from .replay import Release
-from .transport import Publisher, Transport
+from dedupe.errors import ConfigurationError
+from dedupe.operations.replay import Release
+from dedupe.registry import SERVERS, TRANSPORTS, installed_schemes, registered, scheme_of
+from dedupe.transport import Publisher, Transport
 
 if TYPE_CHECKING:
-    from .app import App
-    from .settings import Settings
-    from .store import ClaimStore
+    from dedupe.app import App
+    from dedupe.claims.store import ClaimStore
+    from dedupe.settings import Settings
 
 
 # (body, headers, message_id) triples, as `dlq replay` and the tests publish them.
@@ -55,7 +55,8 @@ class BrokerAdmin(Protocol):
     async def replay_dead_letters(
         self, channel: str, *, limit: int, release: Release | None = None
     ) -> list[dict[str, Any]]:
-        """Move up to `limit` dead letters back to the channel (dedupe.replay says how)."""
+        """Move up to `limit` dead letters back to the channel (dedupe.operations.replay says
+        how)."""
         ...
 
     async def publish(self, channel: str, messages: Messages) -> int:

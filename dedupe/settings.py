@@ -8,7 +8,7 @@ import socket
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .registry import installed_schemes, scheme_of
+from dedupe.registry import installed_schemes, scheme_of
 
 DEFAULT_DATABASE_URL = "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
 DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/"

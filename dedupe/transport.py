@@ -9,8 +9,9 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .conflicts import CONFLICT_HEADERS, ConflictReport
-from .message import Message
+from dedupe.claims.conflicts import CONFLICT_HEADERS, ConflictReport
+from dedupe.claims.records import Reason
+from dedupe.message import Message
 
 
 class Action(enum.StrEnum):
@@ -18,19 +19,6 @@ class Action(enum.StrEnum):
     DEAD_LETTER = "dead_letter"  # move to <channel>.dlq with the reason in headers
     DEFER = "defer"  # someone else holds the key: deliver again after delay_s
     REQUEUE = "requeue"  # we stop (or the store is down): give it back to the broker
-
-
-class Reason(enum.StrEnum):
-    """Why a message went to the dead-letter queue (the `x-dedupe-reason` header)."""
-
-    KEY_CONFLICT = "key_conflict"
-    MISSING_KEY = "missing_key"
-    INVALID_KEY = "invalid_key"  # a key or scope the claims table cannot store (NUL, too long)
-    INVALID_PAYLOAD = "invalid_payload"
-    MAX_ATTEMPTS = "max_attempts_exceeded"
-    REJECTED = "rejected"
-    HANDLER_ERROR = "handler_error"
-    NO_HANDLER = "no_handler"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +51,8 @@ SCOPE_HEADER = "x-dedupe-scope"
 KEY_HEADER = "x-dedupe-key"
 DEAD_LETTER_HEADERS = (REASON_HEADER, DETAIL_HEADER, SCOPE_HEADER, KEY_HEADER, *CONFLICT_HEADERS)
 # On a dead letter written without its body (the broker refused the whole copy, e.g. too
-# large once our headers were added): why. Replay skips such a dead letter (dedupe.replay).
+# large once our headers were added): why. Replay skips such a dead letter
+# (dedupe.operations.replay).
 BODY_DROPPED_HEADER = "x-dedupe-body-dropped"
 
 
@@ -121,3 +110,23 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections; safe to call twice."""
+
+
+__all__ = [
+    "ACK",
+    "BODY_DROPPED_HEADER",
+    "DEAD_LETTER_HEADERS",
+    "DETAIL_HEADER",
+    "KEY_HEADER",
+    "REASON_HEADER",
+    "SCOPE_HEADER",
+    "Action",
+    "Delivery",
+    "Process",
+    "Publisher",
+    "Reason",
+    "Settlement",
+    "Transport",
+    "dead_letter_headers",
+    "dlq_name",
+]

@@ -21,18 +21,18 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from . import tracing
-from .activity import Activity
-from .app import App
-from .database import connect_pool, redact
-from .errors import ConfigurationError, DedupeError
-from .observe import Observer
-from .outcomes import Stats
-from .pipeline import Processor
-from .plugins import transport_plugin
-from .settings import Settings
-from .store import ClaimStore
-from .transport import Publisher, Transport
+from dedupe.app import App
+from dedupe.claims.database import connect_pool, redact
+from dedupe.claims.store import ClaimStore
+from dedupe.errors import ConfigurationError, DedupeError
+from dedupe.observability import tracing
+from dedupe.observability.activity import Activity
+from dedupe.pipeline.observers import Observer
+from dedupe.pipeline.outcomes import Stats
+from dedupe.pipeline.processor import Processor
+from dedupe.plugins import transport_plugin
+from dedupe.settings import Settings
+from dedupe.transport import Publisher, Transport
 
 logger = logging.getLogger("dedupe.worker")
 
@@ -101,7 +101,7 @@ class Worker:
         settings: Every option (dedupe.settings.Settings); keyword arguments override its
             fields (broker_url=, database_url=, concurrency=, ...). Without settings they are
             read from the DEDUPE_* variables.
-        observers: Metrics, or your own dedupe.observe.Observer.
+        observers: Metrics, or your own dedupe.pipeline.observers.Observer.
         transport: A transport to use instead of the one the broker URL's scheme names.
         publisher: The outbox relay's publisher (ctx.publish), likewise.
     """

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from dedupe import App
 from dedupe.asgi import IdempotencyMiddleware
-from dedupe.keys import KeySpec
+from dedupe.claims.keys import KeySpec
 
 app = App("shop")
 

@@ -28,7 +28,7 @@ import asyncpg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dedupe.testing_databases import drop_forced  # noqa: E402
+from dedupe.testing.databases import drop_forced  # noqa: E402
 from handlers.payments import RECEIPTS, app, setup  # noqa: E402
 from scripts.demo_workers import CHANNEL, LOGS, Workers, make_broker  # noqa: E402
 

@@ -82,7 +82,11 @@ class ApiProcess:
 
     def spawn(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "DEDUPE_DATABASE_URL": self.db_url, "PYTHONPATH": str(ROOT)}
+        env = {
+            **os.environ,
+            "DEDUPE_DATABASE_URL": self.db_url,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "consumers")]),
+        }
         log = open(self.logs / "api.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [*UVICORN, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],

@@ -17,12 +17,14 @@ import asyncpg
 import pytest
 
 from dedupe.app import App
+from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimStore
-from dedupe.testing_databases import create_database, drop_database, drop_templates
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.databases import create_database, drop_database, drop_templates
 
 ROOT = Path(__file__).resolve().parent.parent
+# A subprocess imports this checkout: the core from its root, the transports from consumers/.
+CHECKOUT_PATH = os.pathsep.join([str(ROOT), str(ROOT / "consumers")])
 ADMIN_URL = os.environ.get(
     "DEDUPE_TEST_DATABASE_URL", "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
 )
@@ -88,7 +90,8 @@ async def channel(request: pytest.FixtureRequest) -> AsyncIterator[str]:
 async def delete_channel_everywhere(request: pytest.FixtureRequest, *names: str) -> None:
     """Delete these channels' RabbitMQ queues, and their Kafka topics too when the test is a
     Kafka one (by its id or its use of the kafka_url fixture)."""
-    from consumers import kafka_clients, rabbitmq
+    import dedupe_kafka as kafka_clients
+    from dedupe_rabbitmq import transport as rabbitmq
 
     deletions = [rabbitmq.delete_channels(AMQP_URL, list(names))]
     if "kafka" in request.node.nodeid.lower() or "kafka_url" in request.fixturenames:

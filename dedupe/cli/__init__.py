@@ -11,9 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .. import logs
-from ..errors import DedupeError, StoreError
-from .options import (
+from dedupe.cli.options import (
     UsageError,
     load_app,
     loop_factory,
@@ -22,7 +20,9 @@ from .options import (
     read_environment,
     settings_from,
 )
-from .parser import build_parser
+from dedupe.cli.parser import build_parser
+from dedupe.errors import DedupeError, StoreError
+from dedupe.observability import logs
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,12 +9,12 @@ import shlex
 import sys
 from typing import Any
 
-from ..operations import FINISHED, ClaimAdmin, NotSettled
-from ..plugins import TransportPlugin, transport_plugin
-from ..settings import Settings
-from ..store import ClaimStore, migrate
-from ..worker import broker_unreachable
-from .options import cell, confirm, print_rows
+from dedupe.claims.store import ClaimStore, migrate
+from dedupe.cli.options import cell, confirm, print_rows
+from dedupe.operations.claims import FINISHED, ClaimAdmin, NotSettled
+from dedupe.plugins import TransportPlugin, transport_plugin
+from dedupe.settings import Settings
+from dedupe.worker import broker_unreachable
 
 
 async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:

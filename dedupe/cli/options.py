@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 import pydantic
 
-from ..app import App
-from ..errors import ConfigurationError, DedupeError
-from ..plugins import transport_plugin
-from ..settings import Settings
-from ..transport import Publisher, Transport
+from dedupe.app import App
+from dedupe.errors import ConfigurationError, DedupeError
+from dedupe.plugins import transport_plugin
+from dedupe.settings import Settings
+from dedupe.transport import Publisher, Transport
 
 logger = logging.getLogger("dedupe.cli")
 T = TypeVar("T")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from .options import add_common, add_option, positive_float, positive_int
-from .parser_admin import add_claims, add_conflicts, add_dlq, add_gc, add_migrate
-from .receive import cmd_receive
-from .run import cmd_run
-from .status import cmd_status
+from dedupe.cli.options import add_common, add_option, positive_float, positive_int
+from dedupe.cli.parser_admin import add_claims, add_conflicts, add_dlq, add_gc, add_migrate
+from dedupe.cli.receive import cmd_receive
+from dedupe.cli.run import cmd_run
+from dedupe.cli.status import cmd_status
 
 if TYPE_CHECKING:
-    from .parser_admin import Commands
+    from dedupe.cli.parser_admin import Commands
 
 DESCRIPTION = """\
 Run message handlers that are safe to retry.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, TypeAlias
 
-from .admin import cmd_claims, cmd_conflicts, cmd_dlq, cmd_gc, cmd_migrate
-from .options import add_common, add_option
+from dedupe.cli.admin import cmd_claims, cmd_conflicts, cmd_dlq, cmd_gc, cmd_migrate
+from dedupe.cli.options import add_common, add_option
 
 EXIT_STATUS = (
     "exit status: 0 on success, 1 when the command could not do what was asked (its message "

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from ..errors import ConfigurationError
-from ..plugins import Serving, server
-from ..settings import Settings
-from ..store import ClaimStore, connect_pool
-from ..worker import check_migrated, retrying
-from .options import load_app, make_publisher
-from .serving import serve_until_stopped
+from dedupe.claims.store import ClaimStore, connect_pool
+from dedupe.cli.options import load_app, make_publisher
+from dedupe.cli.serving import serve_until_stopped
+from dedupe.errors import ConfigurationError
+from dedupe.plugins import Serving, server
+from dedupe.settings import Settings
+from dedupe.worker import check_migrated, retrying
 
 
 async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:

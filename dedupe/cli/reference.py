@@ -15,9 +15,9 @@ import inspect
 import textwrap
 from collections.abc import Callable
 
-from ..plugins import installed_schemes, server, transport_plugin
-from ..settings import Settings
-from .options import FromEnvironment, commands
+from dedupe.cli.options import FromEnvironment, commands
+from dedupe.plugins import installed_schemes, server, transport_plugin
+from dedupe.settings import Settings
 
 # What each setting means; a test fails when a Settings field has no line here.
 MEANING = {
@@ -96,7 +96,7 @@ def _commands(names: set[str], every: set[str]) -> str:
 def settings_read_by() -> dict[str, set[str]]:
     """{setting: {commands}}: the commands whose code reads each setting, found in the source
     of main() and of each command's handler, following the functions of dedupe.cli it uses."""
-    from . import build_parser, main
+    from dedupe.cli import build_parser, main
 
     everywhere = _settings_read_in(main)
     found: dict[str, set[str]] = {name: set() for name in Settings.model_fields}
@@ -191,7 +191,7 @@ def _plugin_methods(names: set[str]) -> list[Callable[..., object]]:
 
 def table() -> str:
     """The settings: variable, options, the commands that read it, default, meaning."""
-    from . import build_parser
+    from dedupe.cli import build_parser
 
     parser = build_parser()
     every = {c for c, p in commands(parser) if c and " " not in c}
@@ -222,7 +222,7 @@ def table() -> str:
 
 def command_options() -> str:
     """Per command, the options that are not settings, with their DEDUPE_<COMMAND>_<OPTION>."""
-    from . import build_parser
+    from dedupe.cli import build_parser
 
     lines = [
         "| command | option | environment variable | default | meaning |",

@@ -10,12 +10,12 @@ import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..metrics import Metrics
-from ..observe import Observer
-from ..pipeline import Processor
-from ..settings import Settings
-from ..worker import Worker, broker_unreachable, freeze_startup_heap
-from .options import load_app, logger
+from dedupe.cli.options import load_app, logger
+from dedupe.observability.metrics import Metrics
+from dedupe.pipeline.observers import Observer
+from dedupe.pipeline.processor import Processor
+from dedupe.settings import Settings
+from dedupe.worker import Worker, broker_unreachable, freeze_startup_heap
 
 __all__ = ["broker_unreachable", "cmd_run"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from ..plugins import Server, Serving
-from .options import logger
+from dedupe.cli.options import logger
+from dedupe.plugins import Server, Serving
 
 
 def stop_on_signals(stop: asyncio.Event, force: asyncio.Event) -> None:

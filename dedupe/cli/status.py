@@ -7,13 +7,13 @@ import asyncio
 import json
 from typing import Any
 
-from ..operations import ClaimAdmin
-from ..plugins import Serving, server
-from ..settings import Settings
-from ..store import ClaimStore
-from ..worker import check_migrated
-from .options import print_rows
-from .serving import serve_until_stopped
+from dedupe.claims.store import ClaimStore
+from dedupe.cli.options import print_rows
+from dedupe.cli.serving import serve_until_stopped
+from dedupe.operations.claims import ClaimAdmin
+from dedupe.plugins import Serving, server
+from dedupe.settings import Settings
+from dedupe.worker import check_migrated
 
 
 async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:

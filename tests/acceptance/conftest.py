@@ -14,7 +14,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import CHECKOUT_PATH, ROOT
 
 CLI = [sys.executable, "-m", "dedupe.cli"]
 
@@ -55,7 +55,7 @@ class Spawner:
             "CRASHY_CHANNEL": self.channel,
             "CRASHY_LEASE_S": str(lease_s),
             "CRASHY_STARTED_DIR": str(self.started),
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": CHECKOUT_PATH,
         }
         log = open(self.logs / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(

@@ -12,11 +12,11 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from consumers.memory import MemoryDelivery, make_message
 from dedupe import App
-from dedupe.activity import Activity
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimStore
+from dedupe.claims.store import ClaimStore
+from dedupe.observability.activity import Activity
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryDelivery, make_message
 from tests.conftest import ROOT
 
 CLI = [sys.executable, "-m", "dedupe.cli"]
@@ -204,7 +204,7 @@ async def test_dlq_list_and_replay_on_kafka(
     replayed (a second replay moves nothing, list shows nothing left)."""
     from aiokafka import AIOKafkaConsumer
 
-    from consumers import kafka_clients
+    import dedupe_kafka as kafka_clients
 
     headers = {
         "x-dedupe-reason": "handler_error",

@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dedupe.asgi_keys import principal_hash
+from dedupe.asgi.keys import principal_hash
 from tests.acceptance.conftest import run_cli
-from tests.conftest import ROOT
+from tests.conftest import CHECKOUT_PATH, ROOT
 
 LEASE_S = 6.0  # longer than a restart of the API process on a busy machine
 TOKEN = "Bearer process-test-token"
@@ -56,7 +56,7 @@ class Api:
             **os.environ,
             "DEDUPE_DATABASE_URL": self.db_url,
             "HTTP_API_LEASE_S": str(LEASE_S),
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": CHECKOUT_PATH,
         }
         log = open(self.logs / f"api-{len(self.procs)}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(

@@ -20,7 +20,7 @@ import asyncpg
 import pytest
 
 from tests.acceptance.conftest import CLI, final_stats, wait_exit
-from tests.conftest import ROOT, eventually
+from tests.conftest import CHECKOUT_PATH, ROOT, eventually
 
 EXAMPLE = ROOT / "tests" / "plugins" / "example_transport"
 
@@ -86,7 +86,7 @@ def worker(
     env = {
         **os.environ,
         # The example's install, then the checkout (for dedupe, as the dev venv has it).
-        "PYTHONPATH": os.pathsep.join([str(installed), str(ROOT)]),
+        "PYTHONPATH": os.pathsep.join([str(installed), CHECKOUT_PATH]),
         "DEDUPE_STATS_INTERVAL_S": "0",
     }
     command = [*CLI, "run", "example_app:app", "--broker", f"example://{broker}"]

@@ -72,20 +72,22 @@ def venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
     return home
 
 
-def test_the_wheel_holds_dedupe_with_its_sql_and_consumers_but_not_the_example_apps(
+def test_the_wheel_holds_dedupe_with_its_sql_and_the_transports_but_not_the_example_apps(
     wheel: Path,
 ) -> None:
-    """Top-level packages dedupe and consumers; every .sql file and py.typed; no handlers/."""
+    """Top-level packages dedupe and the three transports; every .sql file and py.typed; no
+    handlers/ and no generic `consumers` package."""
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     tops = {name.split("/")[0] for name in names if ".dist-info/" not in name}
-    assert tops == {"dedupe", "consumers"}
+    assert tops == {"dedupe", "dedupe_kafka", "dedupe_rabbitmq", "dedupe_receiver"}
     for folder in EXAMPLES:
         assert not [name for name in names if name.startswith(f"{folder}/")], folder
     sql = {path.relative_to(ROOT).as_posix() for path in (ROOT / "dedupe" / "sql").rglob("*.sql")}
     assert len(sql) >= 3
     assert sql <= names, sorted(sql - names)
-    assert {"dedupe/py.typed", "consumers/py.typed", "dedupe/cli/__main__.py"} <= names
+    typed = {f"{top}/py.typed" for top in tops}
+    assert {*typed, "dedupe/cli/__main__.py", "dedupe/testing/plugin.py"} <= names
 
 
 async def test_the_installed_wheel_migrates_a_database_from_outside_the_repository(
@@ -119,14 +121,17 @@ async def test_the_installed_wheel_migrates_a_database_from_outside_the_reposito
     assert again.stdout.strip() == "database is up to date"
 
 
-def test_the_installed_wheel_imports_dedupe_and_consumers_but_not_our_example_apps(
+def test_the_installed_wheel_installs_only_names_that_start_with_dedupe(
     venv: Path, tmp_path: Path
 ) -> None:
-    """A user's own `handlers` package would collide with ours: the wheel installs none."""
+    """A user's own `handlers` or `consumers` package would collide with ours: the wheel
+    installs exactly dedupe and the three transports, each under a name that starts with it."""
     probe = (
         "import importlib, importlib.metadata, json\n"
         "imports = {}\n"
-        "for name in ('dedupe', 'dedupe.cli', 'consumers', 'consumers.rabbitmq', 'handlers'):\n"
+        "names = ('dedupe', 'dedupe.cli', 'dedupe_rabbitmq.transport', 'dedupe_kafka',\n"
+        "         'dedupe_receiver', 'consumers', 'handlers')\n"
+        "for name in names:\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
         "        imports[name] = 'ok'\n"
@@ -141,9 +146,12 @@ def test_the_installed_wheel_imports_dedupe_and_consumers_but_not_our_example_ap
     assert found["imports"] == {
         "dedupe": "ok",
         "dedupe.cli": "ok",
-        "consumers": "ok",
-        "consumers.rabbitmq": "ok",  # aio-pika came with the [rabbitmq] extra
+        "dedupe_rabbitmq.transport": "ok",  # aio-pika came with the [rabbitmq] extra
+        "dedupe_kafka": "no module aiokafka",  # installed, but its extra was not asked for
+        "dedupe_receiver": "no module starlette",
+        "consumers": "no module consumers",
         "handlers": "no module handlers",
     }
     # What the distribution put in site-packages ("tests" alone could be another package's).
-    assert [top for top in found["tops"] if not top.startswith("..")] == ["consumers", "dedupe"]
+    tops = [top for top in found["tops"] if not top.startswith("..")]
+    assert tops == ["dedupe", "dedupe_kafka", "dedupe_rabbitmq", "dedupe_receiver"]

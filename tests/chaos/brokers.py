@@ -11,7 +11,8 @@ import aio_pika
 import aiormq
 from aiokafka.admin import AIOKafkaAdminClient
 
-from consumers import kafka, rabbitmq
+from dedupe_kafka import transport as kafka
+from dedupe_rabbitmq import transport as rabbitmq
 from tests.integration.brokers import KafkaBroker, RabbitBroker
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncpg
 
-from dedupe.operations import ClaimAdmin
-from dedupe.store import ClaimStore
+from dedupe.claims.store import ClaimStore
+from dedupe.operations.claims import ClaimAdmin
 
 # The filters, and for each one a scope that matches only if `_` or `%` were a wildcard.
 FILTERS = {"shop_a.work": "shopXa.work", "pay%.work": "payments.work"}

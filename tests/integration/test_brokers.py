@@ -13,8 +13,8 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context, Reject
-from dedupe.logs import fields_of
-from dedupe.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.observability.logs import fields_of
 from tests.conftest import eventually, running
 from tests.integration.brokers import Broker
 

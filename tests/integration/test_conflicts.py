@@ -10,12 +10,12 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context
-from dedupe.activity import Activity
-from dedupe.operations import ClaimAdmin
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimStore
+from dedupe.claims.store import ClaimStore
+from dedupe.observability.activity import Activity
+from dedupe.operations.claims import ClaimAdmin
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryDelivery, make_message
 from dedupe.transport import Action, Reason, dead_letter_headers
 
 CH = "orders"
@@ -230,7 +230,7 @@ async def test_settling_refuses_what_it_cannot_do_and_says_why(
     store: ClaimStore, db: asyncpg.Connection
 ) -> None:
     """No conflict, a settled one, two at once, a payload not kept, a new key in use."""
-    from dedupe.operations import NotSettled
+    from dedupe.operations.claims import NotSettled
 
     calls: list[tuple[str, str]] = []
     app = two_handler_app(calls)
@@ -261,7 +261,7 @@ async def test_the_status_page_shows_unsettled_conflicts_with_their_diff(
     import httpx
     from starlette.applications import Starlette
 
-    from consumers.status_page import StatusPage
+    from dedupe_receiver.status_page import StatusPage
 
     calls: list[str] = []
     app = order_app(calls, keep_payload=True, fingerprint="json")

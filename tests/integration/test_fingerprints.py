@@ -11,11 +11,11 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context
-from dedupe.fingerprints import KEEP_PAYLOAD_MAX_BYTES
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimRequest, ClaimStore
+from dedupe.claims.fingerprints import KEEP_PAYLOAD_MAX_BYTES
+from dedupe.claims.store import ClaimRequest, ClaimStore
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryDelivery, make_message
 from dedupe.transport import Action, Reason, Settlement
 
 CH = "orders"

@@ -12,13 +12,13 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from consumers.kafka import KafkaPublisher
-from consumers.rabbitmq import RabbitMQPublisher
 from dedupe import App, Context
-from dedupe.activity import Activity
-from dedupe.operations import ClaimAdmin
-from dedupe.store import ClaimStore
+from dedupe.claims.store import ClaimStore
+from dedupe.observability.activity import Activity
+from dedupe.operations.claims import ClaimAdmin
 from dedupe.transport import Publisher
+from dedupe_kafka.transport import KafkaPublisher
+from dedupe_rabbitmq.transport import RabbitMQPublisher
 from tests.conftest import eventually, running
 from tests.integration.brokers import Broker
 

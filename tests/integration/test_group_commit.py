@@ -12,11 +12,11 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context
+from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimStore
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryDelivery, make_message
 from dedupe.transport import Action, Reason
 from tests.conftest import eventually
 

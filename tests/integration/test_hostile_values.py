@@ -12,10 +12,10 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryDelivery, make_message
 from dedupe.transport import Action, Reason
 from tests.conftest import eventually, running
 from tests.integration.brokers import Broker

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from dedupe import App
 from dedupe.asgi import IdempotencyMiddleware
-from dedupe.metrics import Metrics
+from dedupe.observability.metrics import Metrics
 from tests.apps.http_api import create_test_api
 from tests.integration.http_server import serving
 from tests.integration.test_http_api import ALICE, client_of, orders, post
@@ -310,7 +310,7 @@ async def test_the_status_overview_counts_http_keys_replays_and_conflicts(
     orders_db: str, store: Any
 ) -> None:
     """The status page's overview lists `shop.http` with its replays and conflicts."""
-    from dedupe.operations import ClaimAdmin
+    from dedupe.operations.claims import ClaimAdmin
 
     async with serving(create_test_api(orders_db)) as base, client_of(base) as client:
         await post(client, "s-1", {"sku": "a"})

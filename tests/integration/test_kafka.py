@@ -17,11 +17,11 @@ import pytest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from pydantic import BaseModel
 
-from consumers import kafka
-from consumers.kafka import KafkaPublisher, KafkaTransport
 from dedupe import App, Context
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.pipeline.processor import Processor
+from dedupe_kafka import transport as kafka
+from dedupe_kafka.transport import KafkaPublisher, KafkaTransport
 from tests.conftest import eventually, running
 from tests.integration.brokers import KafkaBroker
 

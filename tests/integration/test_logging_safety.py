@@ -8,10 +8,10 @@ import logging
 import pytest
 from pydantic import BaseModel
 
-from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimStore
+from dedupe.claims.store import ClaimStore
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryDelivery, make_message
 
 SECRET_BODY = "4111111111111111"
 SIGNATURE = "v1,U0VDUkVULVNJR05BVFVSRQ=="

@@ -10,11 +10,11 @@ import asyncpg
 import httpx
 from pydantic import BaseModel
 
-from consumers.memory import MemoryDelivery, make_message
 from dedupe import App, Context
-from dedupe.metrics import Metrics
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimRequest, ClaimStore
+from dedupe.claims.store import ClaimRequest, ClaimStore
+from dedupe.observability.metrics import Metrics
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryDelivery, make_message
 from tests.conftest import eventually
 
 CH = "work"

@@ -13,16 +13,16 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from consumers.kafka_clients import KafkaPublisher
-from consumers.memory import MemoryDelivery, make_message
-from consumers.rabbitmq import RabbitMQPublisher
 from dedupe import App, Context
-from dedupe.effects import _NAMESPACE, StepError
-from dedupe.pipeline import Processor
+from dedupe.claims.store import ClaimRequest, ClaimStore
+from dedupe.claims.values import MAX_RESULT_BYTES
+from dedupe.effects.run_effects import _NAMESPACE, StepError
+from dedupe.pipeline.processor import Processor
 from dedupe.sql import queries
-from dedupe.store import ClaimRequest, ClaimStore
+from dedupe.testing.memory import MemoryDelivery, make_message
 from dedupe.transport import Action, Publisher, Reason
-from dedupe.values import MAX_RESULT_BYTES
+from dedupe_kafka import KafkaPublisher
+from dedupe_rabbitmq.transport import RabbitMQPublisher
 from tests.conftest import delete_channel_everywhere, eventually, running
 from tests.integration.brokers import Broker
 
@@ -200,7 +200,7 @@ async def test_a_producer_stuck_on_a_refused_row_neither_stalls_the_others_nor_s
     producers after it are relayed all the same, and the relay does not spin on it (before,
     every round took the stuck producer's later rows again, sent nothing and went straight on
     to the next round)."""
-    from dedupe.outbox import Outgoing, Relay, add
+    from dedupe.effects.outbox import Outgoing, Relay, add
 
     def row(producer: str, channel: str, i: int) -> Outgoing:
         return Outgoing(producer, channel, f"{producer}/{i}", b"{}", {}, None)
@@ -229,7 +229,7 @@ async def test_a_relay_stopped_right_after_a_commit_relays_what_was_committed(
 ) -> None:
     """Stopping, the relay still runs a round: rows committed before the stop go out (a worker
     that drains and stops leaves nothing for the next start)."""
-    from dedupe.outbox import Outgoing, Relay, add
+    from dedupe.effects.outbox import Outgoing, Relay, add
 
     async with store.pool.acquire() as conn, conn.transaction():
         await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
@@ -261,7 +261,7 @@ async def test_a_stop_during_a_round_still_runs_a_round_after_it(
 ) -> None:
     """Rows committed while a round is under way, before the stop, go out at the stop: the
     round that was under way is not the last (before, the relay returned after it)."""
-    from dedupe.outbox import Outgoing, Relay, add
+    from dedupe.effects.outbox import Outgoing, Relay, add
 
     async with store.pool.acquire() as conn, conn.transaction():
         await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
@@ -294,7 +294,7 @@ class CancellingConfirms(Recording):
 async def test_a_publish_cancelled_by_its_client_is_a_refusal_not_the_end_of_the_relay(
     store: ClaimStore, orders: asyncpg.Connection
 ) -> None:
-    from dedupe.outbox import Outgoing, Relay, add
+    from dedupe.effects.outbox import Outgoing, Relay, add
 
     async with store.pool.acquire() as conn, conn.transaction():
         await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
@@ -389,7 +389,7 @@ async def test_a_second_relay_takes_the_next_producers_and_no_lock_beyond_its_ba
     """Two relays at once on one backlog: the second takes the producers after the first's
     (before, both tried the same first candidates, and the second took nothing and waited
     for its next wake), and each holds the advisory locks of the producers it took only."""
-    from dedupe.outbox import Outgoing, add
+    from dedupe.effects.outbox import Outgoing, add
 
     async with store.pool.acquire() as conn, conn.transaction():
         await add(
@@ -466,7 +466,7 @@ async def test_a_producer_waiting_out_a_refusal_is_not_locked_by_a_round(
 ) -> None:
     """The advisory locks are tried on the producers that can go only: one whose first row
     waits out a backoff, with later rows in the window, is neither taken nor locked."""
-    from dedupe.outbox import Outgoing, add
+    from dedupe.effects.outbox import Outgoing, add
 
     async with store.pool.acquire() as conn, conn.transaction():
         await add(

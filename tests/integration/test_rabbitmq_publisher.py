@@ -11,8 +11,8 @@ from typing import Any
 import aio_pika
 import pytest
 
-from consumers.rabbitmq_publisher import RabbitMQPublisher
 from dedupe.errors import DedupeError
+from dedupe_rabbitmq.publisher import RabbitMQPublisher
 
 
 async def _busy(stop: asyncio.Event) -> None:
@@ -66,7 +66,7 @@ async def test_concurrent_publishes_to_a_new_channel_declare_its_queues_once(
 ) -> None:
     """Before, each of them declared the queues (three round trips each, holding the channel),
     and the later publishes waited for those declares past their timeout."""
-    from consumers import rabbitmq_publisher
+    from dedupe_rabbitmq import publisher as rabbitmq_publisher
 
     declares: list[str] = []
     declare = rabbitmq_publisher.declare_channel
@@ -121,7 +121,7 @@ async def test_publishes_waiting_for_a_connect_that_fails_fail_with_it(
 ) -> None:
     """A broker that cannot be reached: the publishes waiting behind the failing connect
     attempt fail with it (before, each made its own attempt in turn, one timeout each)."""
-    from consumers import rabbitmq_publisher
+    from dedupe_rabbitmq import publisher as rabbitmq_publisher
 
     attempts = 0
 

@@ -8,9 +8,9 @@ import json
 import aio_pika
 from pydantic import BaseModel
 
-from consumers.rabbitmq import RabbitMQTransport, declare_channel
 from dedupe import App
-from dedupe.store import ClaimStore
+from dedupe.claims.store import ClaimStore
+from dedupe_rabbitmq.transport import RabbitMQTransport, declare_channel
 from tests.conftest import running
 
 

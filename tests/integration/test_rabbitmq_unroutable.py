@@ -16,10 +16,10 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from consumers.rabbitmq import RabbitDelivery, RabbitMQTransport, declare_channel, delay_name
 from dedupe import App, Context, Reject
-from dedupe.store import ClaimRequest, ClaimStore
+from dedupe.claims.store import ClaimRequest, ClaimStore
 from dedupe.transport import Action, Reason, Settlement, dlq_name
+from dedupe_rabbitmq.transport import RabbitDelivery, RabbitMQTransport, declare_channel, delay_name
 from tests.conftest import eventually, running
 
 
@@ -204,7 +204,7 @@ async def test_a_reply_to_a_missing_reply_queue_is_logged_and_the_request_still_
 
     connection = await aio_pika.connect(amqp_url)
     gone = f"t-gone-{uuid.uuid4().hex[:8]}"
-    caplog.set_level(logging.WARNING, logger="consumers.rabbitmq")
+    caplog.set_level(logging.WARNING, logger="dedupe_rabbitmq.transport")
     async with connection, running(app, store, RabbitMQTransport(amqp_url)) as worker:
         amqp = await connection.channel()
         await declare_channel(amqp, channel)

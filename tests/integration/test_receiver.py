@@ -30,16 +30,23 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from consumers import rabbitmq
-from consumers.kafka import KafkaPublisher, KafkaTransport
-from consumers.rabbitmq import RabbitMQPublisher, RabbitMQTransport
-from consumers.receiver import create_receiver
-from consumers.receiver_limits import DISCARD_BYTES
 from dedupe import App
-from dedupe.store import ClaimRequest, ClaimStore
+from dedupe.claims.store import ClaimRequest, ClaimStore
 from dedupe.webhooks import api_key, env, github
+from dedupe_kafka.transport import KafkaPublisher, KafkaTransport
+from dedupe_rabbitmq import transport as rabbitmq
+from dedupe_rabbitmq.transport import RabbitMQPublisher, RabbitMQTransport
+from dedupe_receiver.application import create_receiver
+from dedupe_receiver.limits import DISCARD_BYTES
 from handlers.webhooks import make_app, setup
-from tests.conftest import KAFKA_URL, ROOT, delete_channel_everywhere, eventually, running
+from tests.conftest import (
+    CHECKOUT_PATH,
+    KAFKA_URL,
+    ROOT,
+    delete_channel_everywhere,
+    eventually,
+    running,
+)
 
 GH_SECRET = "gh-secret-7f3a9c1e"
 STRIPE_SECRET = "whsec_stripe-secret-5b2d8e"
@@ -882,7 +889,7 @@ def receive_process(
         "DEDUPE_DATABASE_URL": db_url,
         "DEDUPE_BROKER_URL": amqp_url,
         "DEDUPE_LOG_LEVEL": "DEBUG",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": CHECKOUT_PATH,
         "RECEIVER_TEST_CHANNEL": channel,
     }
     with open(log, "wb") as out:

@@ -14,12 +14,12 @@ import asyncpg
 import httpx
 import pytest
 
-from consumers.receiver import create_receiver
 from dedupe import App
+from dedupe.claims.store import Claim, ClaimRequest, ClaimStore
 from dedupe.errors import ConfigurationError
 from dedupe.message import Headers
-from dedupe.store import Claim, ClaimRequest, ClaimStore
 from dedupe.webhooks import Verified
+from dedupe_receiver.application import create_receiver
 from tests.integration.test_receiver import (  # noqa: F401 - fixtures
     CountingPublisher,
     assert_problem,

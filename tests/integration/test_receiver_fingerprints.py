@@ -12,13 +12,13 @@ import asyncpg
 import httpx
 import pytest
 
-from consumers.rabbitmq import RabbitMQPublisher
-from consumers.receiver import create_receiver
 from dedupe import App
-from dedupe.operations import ClaimAdmin
-from dedupe.outbox import Relay
-from dedupe.store import ClaimStore
+from dedupe.claims.store import ClaimStore
+from dedupe.effects.outbox import Relay
+from dedupe.operations.claims import ClaimAdmin
 from dedupe.webhooks import api_key
+from dedupe_rabbitmq.transport import RabbitMQPublisher
+from dedupe_receiver.application import create_receiver
 
 API_KEY = "api-key-fp-4d1c"
 

@@ -10,18 +10,18 @@ import asyncpg
 import httpx
 import pytest
 
-from consumers.kafka import KafkaPublisher
-from consumers.receiver import (
+from dedupe import App
+from dedupe.claims.store import ClaimStore
+from dedupe.errors import ConfigurationError
+from dedupe.message import Headers
+from dedupe.webhooks import env, github
+from dedupe_kafka.transport import KafkaPublisher
+from dedupe_receiver.application import (
     MAX_FORWARDED_HEADER_BYTES,
     create_receiver,
     forwarded_headers,
     header_list_bytes,
 )
-from dedupe import App
-from dedupe.errors import ConfigurationError
-from dedupe.message import Headers
-from dedupe.store import ClaimStore
-from dedupe.webhooks import env, github
 from tests.integration.test_receiver import (  # noqa: F401 - fixtures
     API_KEY_A,
     CountingPublisher,

@@ -20,10 +20,10 @@ import asyncpg
 import httpx
 import pytest
 
-from consumers.receiver import create_receiver
 from dedupe.app import App
-from dedupe.store import ClaimStore
-from tests.conftest import ROOT, eventually
+from dedupe.claims.store import ClaimStore
+from dedupe_receiver.application import create_receiver
+from tests.conftest import CHECKOUT_PATH, ROOT, eventually
 from tests.integration.test_receiver import (  # noqa: F401 - fixtures
     CountingPublisher,
     assert_problem,
@@ -343,8 +343,9 @@ async def test_request_log_lines_carry_scope_key_message_id_and_outcome(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Accepted, replayed, conflicting, failed and unauthenticated requests are logged with
-    the structured fields dedupe.logs prints (and a 401 with what it knows: the source)."""
-    caplog.set_level(logging.DEBUG, logger="consumers.receiver")
+    the structured fields dedupe.observability.logs prints (and a 401 with what it knows: the
+    source)."""
+    caplog.set_level(logging.DEBUG, logger="dedupe_receiver.application")
     receiver = create_receiver(hooks, store=store, publisher=publisher)
     async with http(receiver) as client:
         for body in (b'{"n":1}', b'{"n":1}', b'{"n":2}'):
@@ -354,7 +355,11 @@ async def test_request_log_lines_carry_scope_key_message_id_and_outcome(
         await client.post(
             "/webhooks/orders", content=b"{}", headers=orders_request("o-3", api_key="nope")
         )
-    lines = [r for r in caplog.records if r.name == "consumers.receiver" and hasattr(r, "outcome")]
+    lines = [
+        r
+        for r in caplog.records
+        if r.name == "dedupe_receiver.application" and hasattr(r, "outcome")
+    ]
     fields = [
         (r.outcome, getattr(r, "scope", None), getattr(r, "key", None), r.source)  # type: ignore[attr-defined]
         for r in lines
@@ -390,7 +395,7 @@ def quiet_receive_process(
         "DEDUPE_BROKER_URL": amqp_url,
         "DEDUPE_METRICS_INTERVAL_S": "0.2",
         "DEDUPE_RECEIVER_NO_STATUS": "true",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": CHECKOUT_PATH,
         "RECEIVER_TEST_CHANNEL": channel,
     }
     command = [sys.executable, "-m", "dedupe.cli", "receive"]

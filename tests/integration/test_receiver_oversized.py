@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from consumers import receiver_limits
+from dedupe_receiver import limits as receiver_limits
 from tests.conftest import eventually
 from tests.integration.test_receiver import (  # noqa: F401 - fixtures
     CountingPublisher,

@@ -10,10 +10,10 @@ import uuid
 import asyncpg
 from pydantic import BaseModel
 
-from consumers import rabbitmq
-from consumers.rabbitmq import RabbitMQTransport
 from dedupe import App, Context
-from dedupe.store import ClaimStore
+from dedupe.claims.store import ClaimStore
+from dedupe_rabbitmq import transport as rabbitmq
+from dedupe_rabbitmq.transport import RabbitMQTransport
 from tests.conftest import eventually, running
 
 

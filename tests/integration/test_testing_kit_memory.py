@@ -1,4 +1,4 @@
-"""The in-memory broker and transport (dedupe.testing_memory) under the real Worker and pipeline:
+"""The in-memory broker and transport (dedupe.testing.memory) under the real Worker and pipeline:
 acks, duplicates, lost acks, deferrals, dead letters, and a consumer that goes away."""
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 
-from consumers.memory import MemoryDelivery, MemoryTransport, make_message
 from dedupe import App, Context, Reject, Worker
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimStore
-from dedupe.testing_memory import MemoryBroker
+from dedupe.claims.store import ClaimStore
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryBroker, MemoryDelivery, MemoryTransport, make_message
 from dedupe.transport import Reason
 
 CH = "orders"
@@ -145,7 +144,7 @@ async def test_what_a_disconnected_consumer_left_unsettled_goes_to_another_and_i
 
 
 async def test_a_memory_delivery_made_by_hand_records_its_settlements() -> None:
-    """MemoryDelivery (consumers.memory) outside any broker: settle() records and says True."""
+    """MemoryDelivery (dedupe.testing.memory) outside any broker: settle() records and says True."""
     from dedupe.transport import ACK
 
     delivery = MemoryDelivery(make_message(CH, "{}", message_id="x"))

@@ -64,9 +64,9 @@ def project(tmp_path: Path) -> Path:
 
 
 def test_the_plugin_is_registered_as_a_pytest11_entry_point() -> None:
-    """pytest finds it installed: the entry point `dedupe` names dedupe.testing_plugin."""
+    """pytest finds it installed: the entry point `dedupe` names dedupe.testing.plugin."""
     points = importlib.metadata.entry_points(group="pytest11")
-    assert [p.value for p in points if p.name == "dedupe"] == ["dedupe.testing_plugin"]
+    assert [p.value for p in points if p.name == "dedupe"] == ["dedupe.testing.plugin"]
 
 
 def test_installed_but_not_enabled_the_plugin_adds_no_fixture(project: Path) -> None:

@@ -9,11 +9,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from consumers.memory import MemoryDelivery, make_message
 from dedupe import App
-from dedupe.pipeline import Processor
-from dedupe.store import ClaimStore
-from dedupe.tracing import Tracing
+from dedupe.claims.store import ClaimStore
+from dedupe.observability.tracing import Tracing
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.memory import MemoryDelivery, make_message
 
 PRODUCER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from consumers.kafka import KafkaTransport
-from consumers.kafka_options import MEANING as KAFKA_MEANING
-from consumers.kafka_options import RUN_DEFAULT as KAFKA_RUN_DEFAULT
-from consumers.kafka_options import KafkaOptions
 from dedupe.cli.reference import MEANING, OTHER_VARIABLES, reference, settings_read_by
 from dedupe.settings import Settings
+from dedupe_kafka.options import MEANING as KAFKA_MEANING
+from dedupe_kafka.options import RUN_DEFAULT as KAFKA_RUN_DEFAULT
+from dedupe_kafka.options import KafkaOptions
+from dedupe_kafka.transport import KafkaTransport
 from tests.conftest import ROOT
 
 DOCS = ROOT / "docs" / "configuration.md"

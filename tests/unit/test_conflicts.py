@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from consumers.memory import make_message
-from dedupe.conflicts import MAX_CHANGES, ConflictReport, json_diff, report
-from dedupe.fingerprints import RAW, Fingerprint, claim_request, compile_fingerprint
+from dedupe.claims.conflicts import MAX_CHANGES, ConflictReport, json_diff, report
+from dedupe.claims.fingerprints import RAW, Fingerprint, claim_request, compile_fingerprint
+from dedupe.testing.memory import make_message
 from dedupe.transport import Action, Reason, Settlement, dead_letter_headers
 
 

@@ -6,16 +6,16 @@ import hashlib
 
 import pytest
 
-from consumers.memory import make_message
-from dedupe.errors import ConfigurationError, InvalidPayload
-from dedupe.fingerprints import (
+from dedupe.claims.fingerprints import (
     KEEP_PAYLOAD_MAX_BYTES,
     RAW,
     Fingerprint,
     claim_request,
     compile_fingerprint,
 )
+from dedupe.errors import ConfigurationError, InvalidPayload
 from dedupe.message import Message
+from dedupe.testing.memory import make_message
 
 
 def digest(fingerprint: Fingerprint, body: str | bytes) -> bytes:

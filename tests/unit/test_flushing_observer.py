@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from dedupe.observe import FlushingObserver
+from dedupe.pipeline.observers import FlushingObserver
 
 
 class Slow(FlushingObserver):

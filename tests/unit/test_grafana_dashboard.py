@@ -6,8 +6,8 @@ import json
 import re
 from types import SimpleNamespace
 
-from dedupe.metrics import Metrics
-from dedupe.pipeline import Stats
+from dedupe.observability.metrics import Metrics
+from dedupe.pipeline.processor import Stats
 from tests.conftest import ROOT
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from consumers.kafka import KafkaOptions, KafkaTransport, with_options
 from dedupe.errors import ConfigurationError
 from dedupe.settings import Settings
+from dedupe_kafka.transport import KafkaOptions, KafkaTransport, with_options
 
 
 def test_the_group_is_named_after_the_app_unless_the_url_names_one() -> None:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from consumers.kafka_partition import KafkaDelivery, PartitionWork, to_message
 from dedupe.transport import ACK, Action, Delivery, Reason, Settlement
+from dedupe_kafka.partition import KafkaDelivery, PartitionWork, to_message
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ async def test_a_dead_letter_the_broker_refused_is_held_and_tried_again_with_bac
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Never committed past without a dead letter, never dropped: it runs again, later."""
-    monkeypatch.setattr("consumers.kafka_partition.DEAD_LETTER_RETRY_S", 0.2)
+    monkeypatch.setattr("dedupe_kafka.partition.DEAD_LETTER_RETRY_S", 0.2)
     h = Harness(decide=dead_letter_first, dead_letters_written=False)
     await h.run(records("a", "b"))
     assert (h.dead, h.work.position()) == ([0], 0)
@@ -279,7 +279,7 @@ async def test_a_reply_the_broker_refused_holds_the_request_and_tries_again_with
     """An acked request whose reply did not reach the broker is not done: its offset stays,
     it runs again later (a duplicate, answered from the stored result) until the reply is
     written; the records after it are done meanwhile."""
-    monkeypatch.setattr("consumers.kafka_partition.DEAD_LETTER_RETRY_S", 0.2)
+    monkeypatch.setattr("dedupe_kafka.partition.DEAD_LETTER_RETRY_S", 0.2)
     h = Harness(decide=answered)
     sent: list[tuple[int, str]] = []
     written = [False]
@@ -306,7 +306,7 @@ async def test_a_settle_that_raises_holds_the_message_to_run_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The offset neither stays orphaned (commits frozen) nor is committed past."""
-    monkeypatch.setattr("consumers.kafka_partition.INTERNAL_ERROR_DELAY_S", 0.05)
+    monkeypatch.setattr("dedupe_kafka.partition.INTERNAL_ERROR_DELAY_S", 0.05)
     h = Harness(decide=dead_letter_first)
     failures = [RuntimeError("producer bug")]
 
@@ -387,7 +387,7 @@ async def test_too_many_held_messages_keep_the_partition_paused() -> None:
 async def test_a_failure_inside_the_core_holds_the_unsettled_messages(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("consumers.kafka_partition.INTERNAL_ERROR_DELAY_S", 0.05)
+    monkeypatch.setattr("dedupe_kafka.partition.INTERNAL_ERROR_DELAY_S", 0.05)
     h = Harness()
     broken = [True]
 

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from consumers import kafka_partition as kp
-from consumers.kafka_partition import KafkaDelivery, PartitionWork
 from dedupe.transport import ACK, Action, Delivery, Reason, Settlement
+from dedupe_kafka import partition as kp
+from dedupe_kafka.partition import KafkaDelivery, PartitionWork
 from tests.unit.test_kafka_partition import TP, Record
 
 

@@ -1,10 +1,11 @@
-"""Kafka replies (consumers/kafka_replies.py) with a fake producer: headers as Kafka gives them."""
+"""Kafka replies (consumers/dedupe_kafka/replies.py) with a fake producer: headers as Kafka gives
+them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from consumers.kafka_replies import Replies
+from dedupe_kafka.replies import Replies
 from tests.unit.test_kafka_partition import Record
 
 

@@ -15,10 +15,9 @@ from aiokafka.errors import (
     PolicyViolationError,
 )
 
-from consumers.kafka import KafkaTransport
-from consumers.kafka_clients import BODY_DROPPED_HEADER
-from consumers.kafka_partition import PartitionWork
-from dedupe.transport import Action, Reason, Settlement
+from dedupe.transport import BODY_DROPPED_HEADER, Action, Reason, Settlement
+from dedupe_kafka.partition import PartitionWork
+from dedupe_kafka.transport import KafkaTransport
 
 DEAD = Settlement(
     Action.DEAD_LETTER, reason=Reason.HANDLER_ERROR, detail="boom", scope="t.work", key="k1"

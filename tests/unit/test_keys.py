@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from consumers.memory import make_message
+from dedupe.claims.keys import compile_key, derive_key
 from dedupe.errors import ConfigurationError, InvalidPayload, KeyMissing
-from dedupe.keys import compile_key, derive_key
+from dedupe.testing.memory import make_message
 
 
 def msg(body: str = "{}", **kwargs: object) -> object:
@@ -73,7 +73,7 @@ def test_malformed_specs_are_refused_at_compile_time(spec: object) -> None:
 
 def test_missing_keys_raise_key_missing() -> None:
     """derive_key turns None and '' into KeyMissing; what the claims table can hold is
-    dedupe.values.check_claimable's to say (tests/unit/test_values.py)."""
+    dedupe.claims.values.check_claimable's to say (tests/unit/test_values.py)."""
     derive = compile_key("header:k")
     with pytest.raises(KeyMissing):
         derive_key(derive, msg())

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from dedupe import logs
+from dedupe.observability import logs
 
 
 def emit(fmt: str, **extra: object) -> str:

@@ -8,11 +8,11 @@ from importlib.metadata import entry_points
 import pydantic
 import pytest
 
-from consumers.kafka import KafkaTransport
-from consumers.rabbitmq import RabbitMQPublisher, RabbitMQTransport
 from dedupe.errors import ConfigurationError
 from dedupe.plugins import SERVERS, TRANSPORTS, server, transport_plugin
 from dedupe.settings import Settings
+from dedupe_kafka.transport import KafkaTransport
+from dedupe_rabbitmq.transport import RabbitMQPublisher, RabbitMQTransport
 from tests.conftest import ROOT
 
 # What the goal greps for, as the before-stop hook does.

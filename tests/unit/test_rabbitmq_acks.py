@@ -10,7 +10,7 @@ from typing import Any
 import aio_pika
 import pytest
 
-from consumers.rabbitmq import RabbitMQTransport
+from dedupe_rabbitmq.transport import RabbitMQTransport
 
 
 @dataclass(eq=False)  # a dict key by identity, as aiormq's channels are

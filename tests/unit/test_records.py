@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dedupe.claiming import Duplicate, Ours
-from dedupe.claims import Claim, ClaimRequest, Fence
+from dedupe.claims.records import Claim, ClaimRequest, Fence
+from dedupe.claims.verdicts import Duplicate, Ours
 from dedupe.message import Headers
 
 

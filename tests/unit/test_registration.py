@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from consumers.memory import make_message
 from dedupe import App, Context, Message
 from dedupe.errors import ConfigurationError, InvalidPayload
+from dedupe.testing.memory import make_message
 
 
 class Order(BaseModel):
@@ -125,7 +125,7 @@ def test_app_names_are_checked() -> None:
 
 def test_handlers_and_webhook_sources_take_a_fingerprint_and_keep_payload() -> None:
     """fingerprint=, fingerprint_exclude= and keep_payload= (defaults: raw, none, False)."""
-    from dedupe.fingerprints import RAW
+    from dedupe.claims.fingerprints import RAW
     from dedupe.webhooks import api_key
 
     app = App("shop")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dedupe.replay import ReplayPolicy, describe
+from dedupe.operations.replay import ReplayPolicy, describe
 from dedupe.transport import (
     BODY_DROPPED_HEADER,
     DETAIL_HEADER,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from dedupe.testing_databases import drop_forced
+from dedupe.testing.databases import drop_forced
 
 
 class Admin:
@@ -35,7 +35,7 @@ async def test_a_drop_refused_for_good_raises(monkeypatch: pytest.MonkeyPatch) -
     async def no_wait(_: float) -> None:
         return None
 
-    monkeypatch.setattr("dedupe.testing_databases.asyncio.sleep", no_wait)
+    monkeypatch.setattr("dedupe.testing.databases.asyncio.sleep", no_wait)
     admin = Admin(refusals=1000)
     with pytest.raises(asyncpg.InsufficientPrivilegeError):
         await drop_forced(admin, "dedupe_test_x")  # type: ignore[arg-type]

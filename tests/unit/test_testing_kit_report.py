@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dedupe.testing import CASES, Case, CaseResult, Recorder, Report, Run
-from dedupe.testing_check import _compare
-from dedupe.testing_recorder import Call, distinct_keys
+from dedupe.testing.check import _compare
+from dedupe.testing.recorder import Call, distinct_keys
 
 
 def result(name: str, *, rows: int, keys: list[str | None], outcome: str = "acked") -> CaseResult:

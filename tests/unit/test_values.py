@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from dedupe.errors import InvalidKey
-from dedupe.values import (
+from dedupe.claims.values import (
     MAX_KEY_LENGTH,
     check_claimable,
     encode_result,
     storable_json,
     storable_text,
 )
+from dedupe.errors import InvalidKey
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_storable_text_replaces_and_cuts() -> None:
 def test_a_step_result_is_mended_kept_whole_however_large_and_refused_when_not_json() -> None:
     """The step has run: what jsonb can hold is kept (no size or digits policy of a handler's
     result); a value that is not JSON is an error."""
-    from dedupe.values import MAX_RESULT_BYTES, step_json
+    from dedupe.claims.values import MAX_RESULT_BYTES, step_json
 
     assert json.loads(step_json({"id": "a\x00b\ud800"})) == {"id": "a\ufffdb\ufffd"}
     assert json.loads(step_json({"a\x00": 1})) == {"a\ufffd": 1}

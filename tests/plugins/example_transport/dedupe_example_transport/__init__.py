@@ -25,8 +25,8 @@ from urllib.parse import unquote, urlsplit
 
 from dedupe.errors import ConfigurationError
 from dedupe.message import Headers, Message
+from dedupe.operations.replay import ReplayPolicy, describe
 from dedupe.plugins import BrokerAdmin, Messages, Release, UrlOption
-from dedupe.replay import ReplayPolicy, describe
 from dedupe.settings import Settings
 from dedupe.transport import (
     Action,
@@ -209,7 +209,8 @@ class FilePublisher:
 
 
 class FileAdmin:
-    """`dlq list|replay` on the files (dedupe.plugins.BrokerAdmin); replay follows dedupe.replay."""
+    """`dlq list|replay` on the files (dedupe.plugins.BrokerAdmin); replay follows
+    dedupe.operations.replay."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory

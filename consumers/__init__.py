@@ -1,1 +1,0 @@
-"""Transport adapters: broker deliveries in, settlements out. The core never imports these."""

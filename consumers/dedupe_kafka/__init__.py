@@ -1,0 +1,47 @@
+"""The Kafka transport (aiokafka): offsets committed only past messages whose outcome is recorded;
+the idempotent producer and publisher, dead letters, request-reply and the operator client;
+registered as `kafka://`."""
+
+from __future__ import annotations
+
+from dedupe_kafka.admin import (
+    KafkaAdmin,
+    backlog,
+    delete_channels,
+    group_offsets,
+    partitions_of,
+    peek_dead_letters,
+    replay_dead_letters,
+    replay_group,
+)
+from dedupe_kafka.dead_letters import ORIGIN_HEADER
+from dedupe_kafka.options import KafkaOptions, group_id_for, with_options
+from dedupe_kafka.publisher import (
+    KafkaPublisher,
+    encode_headers,
+    ensure_topics,
+    idempotent_producer,
+    publish,
+)
+from dedupe_kafka.transport import KafkaTransport
+
+__all__ = [
+    "ORIGIN_HEADER",
+    "KafkaAdmin",
+    "KafkaOptions",
+    "KafkaPublisher",
+    "KafkaTransport",
+    "backlog",
+    "delete_channels",
+    "encode_headers",
+    "ensure_topics",
+    "group_id_for",
+    "group_offsets",
+    "idempotent_producer",
+    "partitions_of",
+    "peek_dead_letters",
+    "publish",
+    "replay_dead_letters",
+    "replay_group",
+    "with_options",
+]

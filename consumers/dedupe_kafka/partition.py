@@ -1,0 +1,396 @@
+"""The work and the offsets of one assigned Kafka partition (no broker I/O of its own).
+
+A fetched batch runs as one `process()` call per wave: a wave never holds two records of one
+record key, so messages of a key run in offset order while the others run side by side. Up to
+BATCHES_IN_FLIGHT batches run at once; a batch's records of keys an earlier one holds wait for
+it to end. The partition is paused at that many, while held messages run again, or while too
+many are held: a record is not left unfetched for a whole batch's claim and completion. A
+message the core defers or requeues is held, with the later messages of its key queued behind
+it, and runs again when due, beside the stream; so is one whose dead letter or reply the broker
+refused, or whose settling failed. The commit position is the first offset without a final
+outcome, so an offset is never committed past an unfinished message. A revoked partition starts
+no next wave: what it has not run is left, uncommitted, to the next owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+from dedupe.claims.keys import MESSAGE_ID_HEADER
+from dedupe.message import Headers, Message
+from dedupe.transport import Action, Process, Settlement
+
+logger = logging.getLogger(__name__)
+
+# aiokafka's ConsumerRecord and TopicPartition (duck-typed, so this module needs no broker).
+ConsumerRecord = Any
+TopicPartition = Any
+
+# Delay before a batch that failed inside the core (a bug, not a message problem) runs again.
+INTERNAL_ERROR_DELAY_S = 5.0
+# Delay before a message whose dead letter or reply the broker refused runs again (doubling
+# per attempt).
+DEAD_LETTER_RETRY_S = 5.0
+DEAD_LETTER_RETRY_MAX_S = 300.0
+# Fetched batches of one partition in flight at once (the partition is paused at this many).
+BATCHES_IN_FLIGHT = 2
+
+
+def to_message(record: ConsumerRecord, *, attempt: int = 1) -> Message:
+    """The envelope the core sees for a Kafka record."""
+    headers = Headers(dict(record.headers or ()))
+    return Message(
+        channel=record.topic,
+        body=record.value if record.value is not None else b"",
+        headers=headers,
+        message_id=headers.get(MESSAGE_ID_HEADER) or None,
+        attempt=attempt,
+        content_type=headers.get("content-type"),
+        meta={
+            "topic": record.topic,
+            "partition": record.partition,
+            "offset": record.offset,
+            "key": record.key,
+            "timestamp_ms": record.timestamp,
+        },
+    )
+
+
+class KafkaDelivery:
+    """One record handed to the core; settling it records its outcome in its partition."""
+
+    __slots__ = ("_message", "attempt", "due", "partition", "record", "settled")
+
+    def __init__(self, partition: PartitionWork, record: ConsumerRecord, attempt: int = 1) -> None:
+        self.partition = partition
+        self.record = record
+        self.attempt = attempt
+        self.due = 0.0  # loop time at which a held delivery may run again
+        self.settled = False
+        self._message: Message | None = None
+
+    @property
+    def message(self) -> Message:
+        if self._message is None:
+            self._message = to_message(self.record, attempt=self.attempt)
+        return self._message
+
+    @property
+    def offset(self) -> int:
+        return int(self.record.offset)
+
+    async def settle(self, settlement: Settlement) -> bool:
+        self.settled = True
+        try:
+            return await self.partition.settle(self, settlement)
+        except Exception:
+            # Kafka never delivers one record again by itself: unless the partition holds it,
+            # its offset would have no outcome and no retry, and commits would stop there.
+            logger.exception(
+                "could not settle %s offset %d; it runs again later",
+                self.partition.tp,
+                self.offset,
+                extra={"message_id": self.message.message_id, "outcome": str(settlement.action)},
+            )
+            self.partition.unsettled(self)
+            return False
+
+
+def _chain_key(record: ConsumerRecord) -> object:
+    # Records without a key have no order to keep: each is its own chain.
+    return record.key if record.key is not None else ("offset", record.offset)
+
+
+def _waves(records: Sequence[ConsumerRecord]) -> list[list[ConsumerRecord]]:
+    """Split records so that no wave holds two records of one key; order kept within a key."""
+    waves: list[list[ConsumerRecord]] = []
+    seen: collections.Counter[object] = collections.Counter()
+    for record in records:
+        key = _chain_key(record)
+        index = seen[key]
+        seen[key] += 1
+        if index == len(waves):
+            waves.append([])
+        waves[index].append(record)
+    return waves
+
+
+# -- one assigned partition -----------------------------------------------------------------
+
+
+class PartitionWork:
+    """The work and the offsets of one assigned partition, for one assignment.
+
+    `pending` maps every fetched offset without a final outcome to whether it has one now; the
+    commit position is the first offset still without one (offsets only move forward). Every
+    pending offset is in flight, held, or (once closing) left to the next owner.
+
+    `dead_letter(record, settlement, closing)` writes the record to the dead-letter topic and
+    returns True once the broker has it; it may give up (False) once `closing()` is true.
+    `reply(record, result, closing)` answers a request with its stored result (True at once
+    when the record asks for no reply); False holds the record like a refused dead letter.
+    """
+
+    def __init__(
+        self,
+        tp: TopicPartition,
+        process: Process,
+        *,
+        batch_max: int,
+        max_held: int,
+        dead_letter: Callable[[ConsumerRecord, Settlement, Callable[[], bool]], Awaitable[bool]],
+        pause: Callable[[TopicPartition], None],
+        resume: Callable[[TopicPartition], None],
+        reply: Callable[[ConsumerRecord, str, Callable[[], bool]], Awaitable[bool]] | None = None,
+        batches_in_flight: int = BATCHES_IN_FLIGHT,
+    ) -> None:
+        self.tp = tp
+        self._process = process
+        self._batch_max = batch_max
+        self._max_held = max_held
+        self._dead_letter = dead_letter
+        self._reply = reply
+        self._pause = pause
+        self._resume = resume
+        self.pending: dict[int, bool] = {}
+        self.fetched_to: int | None = None
+        self.committed: int | None = None
+        self.held: dict[object, collections.deque[KafkaDelivery]] = {}
+        self.closing = False  # revoked or stopping: start nothing new
+        self._depth = max(1, batches_in_flight)
+        # The fetched batches in flight, each with the chain keys of its records.
+        self._batches: dict[asyncio.Task[None], frozenset[object]] = {}
+        self._retrier: asyncio.Task[None] | None = None
+        self._retrying = False
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- positions ------------------------------------------------------------------------
+
+    def position(self) -> int | None:
+        """The offset to commit: nothing before it lacks a final outcome."""
+        for offset in self.pending:
+            return offset
+        return self.fetched_to
+
+    def _done(self, offset: int) -> None:
+        if offset in self.pending:
+            self.pending[offset] = True
+        while self.pending:
+            first = next(iter(self.pending))
+            if not self.pending[first]:
+                break
+            del self.pending[first]
+
+    @property
+    def held_count(self) -> int:
+        return sum(len(chain) for chain in self.held.values())
+
+    @property
+    def busy(self) -> bool:
+        """A fetched batch is running."""
+        return bool(self._batches)
+
+    @property
+    def full(self) -> bool:
+        """As many fetched batches are running as may: take no other (the partition is paused)."""
+        return len(self._batches) >= self._depth
+
+    # -- fetched batches ------------------------------------------------------------------
+
+    def feed(self, records: Sequence[ConsumerRecord]) -> None:
+        """Take a fetched batch; the partition is paused while `full`."""
+        assert not self.full, "a partition runs at most batches_in_flight fetched batches"
+        if self.committed is None:
+            self.committed = records[0].offset  # where the group stood when we got it
+        for record in records:
+            self.pending[record.offset] = False
+        self.fetched_to = records[-1].offset + 1
+        earlier = dict(self._batches)
+        if len(earlier) + 1 >= self._depth or self.held_count >= self._max_held:
+            self._pause(self.tp)
+        self._idle.clear()
+        task = asyncio.create_task(
+            self._run_batch(records, earlier),
+            name=f"kafka-batch-{self.tp.topic}-{self.tp.partition}",
+        )
+        if not task.done():  # (an eager task factory may have run it to its end already)
+            self._batches[task] = frozenset(_chain_key(record) for record in records)
+
+    async def _run_batch(
+        self,
+        records: Sequence[ConsumerRecord],
+        earlier: dict[asyncio.Task[None], frozenset[object]],
+    ) -> None:
+        """Run a fetched batch: its records of keys that the `earlier` batches (still in flight
+        when it was fetched) hold run once those batches have ended, the others at once."""
+        task = asyncio.current_task()
+        try:
+            taken = frozenset[object]().union(*earlier.values())
+            now = [r for r in records if _chain_key(r) not in taken]
+            later = [r for r in records if _chain_key(r) in taken]
+            await asyncio.gather(self._run_records(now), self._run_records(later, after=earlier))
+        finally:
+            if task is not None:
+                self._batches.pop(task, None)
+            self._after_work()
+
+    async def _run_records(
+        self, records: Sequence[ConsumerRecord], *, after: Iterable[asyncio.Task[None]] = ()
+    ) -> None:
+        if records and (after := list(after)):
+            await asyncio.wait(after)
+        for start in range(0, len(records), self._batch_max):
+            for wave in _waves(records[start : start + self._batch_max]):
+                if self.closing:
+                    # Revoked or stopping: the next owner may be running these already.
+                    # What is left stays uncommitted (the commit stops at its first offset)
+                    # and is read again there, where the claims make done ones duplicates.
+                    return
+                ready: list[KafkaDelivery] = []
+                for record in wave:
+                    delivery = KafkaDelivery(self, record)
+                    chain = self.held.get(_chain_key(record))
+                    if chain is not None:
+                        chain.append(delivery)  # runs after the held message of its key
+                    else:
+                        ready.append(delivery)
+                if ready:
+                    await self._run(ready)
+
+    async def _run(self, deliveries: Sequence[KafkaDelivery]) -> None:
+        try:
+            await self._process(self.tp.topic, deliveries)
+        except Exception:
+            logger.exception("processing a batch from %s failed; it runs again later", self.tp)
+            for delivery in deliveries:
+                if not delivery.settled:
+                    self._hold(delivery, INTERNAL_ERROR_DELAY_S)
+
+    # -- outcomes -------------------------------------------------------------------------
+
+    async def settle(self, delivery: KafkaDelivery, settlement: Settlement) -> bool:
+        """True when the outcome is final here (acked, or dead letter confirmed)."""
+        if settlement.action is Action.ACK:
+            # A request's reply goes out before its offset is done: one the broker did not
+            # take holds the record, whose next run is a duplicate answered from the store.
+            if (
+                settlement.result is not None
+                and self._reply is not None
+                and not await self._reply(delivery.record, settlement.result, self._is_closing)
+            ):
+                self._hold_with_backoff(delivery)
+                return False
+            self._final(delivery)
+            return True
+        if settlement.action is Action.DEAD_LETTER:
+            # Done only once the dead letter is on the broker; otherwise the offset stays and
+            # the message runs again later (its failed claim sends the dead letter again).
+            if await self._dead_letter(delivery.record, settlement, self._is_closing):
+                self._final(delivery)
+                return True
+            self._hold_with_backoff(delivery)
+            return False
+        if self.closing:
+            # Stopping or revoked: not committed past, so the next owner reads it again.
+            logger.debug("%s offset %d left to the next owner", self.tp, delivery.offset)
+        else:
+            self._hold(delivery, settlement.delay_s)
+        return False
+
+    def unsettled(self, delivery: KafkaDelivery) -> None:
+        """Settling failed: hold the message to run again, unless its outcome is final."""
+        if self.pending.get(delivery.offset, True) or self.closing:
+            return  # done already, or left to the next owner (not committed past)
+        self._hold(delivery, INTERNAL_ERROR_DELAY_S)
+
+    def _is_closing(self) -> bool:
+        return self.closing
+
+    def _hold_with_backoff(self, delivery: KafkaDelivery) -> None:
+        """Hold a message the broker refused to finish, doubling the wait per attempt."""
+        if not self.closing:
+            exponent = min(delivery.attempt - 1, 10)
+            self._hold(delivery, min(DEAD_LETTER_RETRY_S * 2**exponent, DEAD_LETTER_RETRY_MAX_S))
+
+    def _final(self, delivery: KafkaDelivery) -> None:
+        chain = self.held.get(_chain_key(delivery.record))
+        if chain and chain[0] is delivery:
+            chain.popleft()
+            if chain:
+                chain[0].due = 0.0  # the next message of this key may run now
+                self._wake.set()
+            else:
+                del self.held[_chain_key(delivery.record)]
+        self._done(delivery.offset)
+
+    def _hold(self, delivery: KafkaDelivery, delay_s: float) -> None:
+        """Keep a message to run again after delay_s; later messages of its key wait behind."""
+        again = KafkaDelivery(self, delivery.record, attempt=delivery.attempt + 1)
+        again.due = asyncio.get_running_loop().time() + max(delay_s, 0.05)
+        key = _chain_key(delivery.record)
+        chain = self.held.get(key)
+        if chain and chain[0] is delivery:
+            chain[0] = again
+        elif chain:
+            # Not reachable through the batch path (it holds keys back); keep offset order.
+            items = sorted([*chain, again], key=lambda d: d.offset)
+            chain.clear()
+            chain.extend(items)
+        else:
+            self.held[key] = collections.deque([again])
+            if self.held_count >= self._max_held and not self.closing:
+                # Resumed once fewer are held (_after_work). Never once closing: the partition
+                # may be another PartitionWork's by now (revoked, then assigned here again).
+                self._pause(self.tp)
+        if self._retrier is None or self._retrier.done():
+            self._retrier = asyncio.create_task(
+                self._retry_loop(), name=f"kafka-retry-{self.tp.topic}-{self.tp.partition}"
+            )
+        self._wake.set()
+
+    async def _retry_loop(self) -> None:
+        """Run held messages when due, all due ones in one process() call."""
+        loop = asyncio.get_running_loop()
+        while self.held and not self.closing:
+            now = loop.time()
+            heads = [chain[0] for chain in self.held.values()]
+            ready = [head for head in heads if head.due <= now]
+            if not ready:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(head.due for head in heads) - now):
+                        await self._wake.wait()
+                continue
+            self._retrying = True
+            self._idle.clear()
+            try:
+                await self._run(ready)
+            finally:
+                self._retrying = False
+                self._after_work()
+
+    def _after_work(self) -> None:
+        if not self._retrying and not self.full:
+            if not self._batches:
+                self._idle.set()
+            if not self.closing and self.held_count < self._max_held:
+                self._resume(self.tp)
+
+    # -- endings --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Start nothing new: no next wave, no retry (held messages stay uncommitted)."""
+        self.closing = True
+        if self._retrier is not None and not self._retrying:
+            self._retrier.cancel()
+        self._wake.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()

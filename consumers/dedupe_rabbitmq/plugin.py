@@ -1,0 +1,47 @@
+"""The RabbitMQ entry point (`amqp://`, `amqps://`): its transport, publisher and admin client."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+try:
+    from aiormq.exceptions import AMQPConnectionError
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
+    ) from exc
+
+from dedupe.plugins import BrokerAdmin, UrlOption
+from dedupe.settings import Settings
+from dedupe.transport import Publisher, Transport
+from dedupe_rabbitmq.admin import RabbitMQAdmin
+from dedupe_rabbitmq.publisher import RabbitMQPublisher
+from dedupe_rabbitmq.transport import RabbitMQTransport
+
+
+class RabbitMQPlugin:
+    """dedupe.plugins.TransportPlugin for RabbitMQ, registered in pyproject.toml."""
+
+    name = "RabbitMQ"
+    unreachable: tuple[type[BaseException], ...] = (OSError, AMQPConnectionError)
+    dead_letters_kept = False  # <channel>.dlq is a queue: a replay moves its messages out
+
+    def transport(self, settings: Settings, *, app_name: str | None = None) -> Transport:
+        return RabbitMQTransport(
+            settings.broker_url,
+            prefetch=settings.effective_prefetch,
+            batch_max=settings.effective_prefetch,
+            connection_name=f"dedupe-worker {settings.worker_name}",
+        )
+
+    def publisher(self, settings: Settings) -> Publisher:
+        return RabbitMQPublisher(settings.broker_url)
+
+    def admin(self, url: str) -> BrokerAdmin:
+        return RabbitMQAdmin(url)
+
+    def url_options(self) -> Sequence[UrlOption]:
+        return ()  # an AMQP URL's own query (heartbeat=, ...) is aio-pika's
+
+
+plugin = RabbitMQPlugin()

@@ -1,0 +1,258 @@
+"""A verified webhook request's way through the claims table and the broker: claim its key,
+publish with confirms, store the reply; or, for a key held elsewhere, replay the stored reply,
+refuse another body, or ask the sender to come back. A failed publish gives the key back."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+from starlette.responses import Response
+
+from dedupe.claims import conflicts
+from dedupe.claims.fingerprints import claim_request
+from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.verdicts import (
+    Claims,
+    Conflict,
+    Duplicate,
+    InFlight,
+    Ours,
+    Terms,
+    Unavailable,
+    Unclaimable,
+    Verdict,
+)
+from dedupe.errors import InvalidPayload
+from dedupe.message import Headers, Message
+from dedupe.observability.activity import Activity
+from dedupe.observability.metrics import Metrics
+from dedupe.transport import Publisher
+from dedupe.webhooks import Identity, WebhookSource
+from dedupe_receiver.limits import too_large_for_broker
+from dedupe_receiver.replies import Reply, accepted, in_flight, problem, unavailable
+
+# Every line the receiver logs comes from one logger, whichever module writes it: operators
+# and the tests select the receiver's lines by this name.
+logger = logging.getLogger("consumers.receiver")
+
+
+def log_fields(source: WebhookSource, identity: Identity | None, outcome: str) -> dict[str, str]:
+    """The `extra=` of a log line about one request (dedupe.observability.logs prints only
+    these)."""
+    fields = {"source": source.name, "channel": source.channel, "outcome": outcome}
+    if identity is not None:
+        fields.update(scope=identity.scope, key=identity.key, message_id=identity.message_id)
+    return fields
+
+
+@dataclass(frozen=True, slots=True)
+class Intake:
+    """The receiver's open store and publisher, taking one request from claim to reply."""
+
+    store: ClaimStore
+    publisher: Publisher
+    activity: Activity | None
+    stats: collections.Counter[str]
+    metrics: Metrics
+    publish_timeout_s: float
+    store_timeout_s: float
+
+    async def claim(
+        self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
+    ) -> Response:
+        """Claim the key and publish, or answer for the claim someone else holds."""
+        # The message as the worker behind us will see it: the source's fingerprint (and a
+        # fingerprint function) looks at that.
+        message = Message(
+            channel=source.channel,
+            body=body,
+            headers=Headers(forward),
+            message_id=identity.message_id,
+            content_type=forward.get("content-type"),
+        )
+        try:
+            request = claim_request(
+                identity.scope,
+                identity.key,
+                message,
+                source.fingerprint,
+                keep_payload=source.keep_payload,
+            )
+        except InvalidPayload as exc:
+            return problem(400, "invalid-payload", "Invalid payload", str(exc))
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.store_timeout_s):
+                verdict = await Claims(self.store).claim_one(
+                    Terms(source.lease_s, source.retention_s), request
+                )
+        except Exception as exc:
+            # Our timeout, or whatever else the driver raised: an outage of ours. A claim that
+            # committed just as the timeout struck lapses with its lease.
+            verdict = Unavailable(f"{exc.__class__.__name__}: {exc}")
+        if isinstance(verdict, Unavailable):
+            self.stats["store_unavailable"] += 1
+            logger.warning(
+                "webhook %s: claiming key %s failed (%s)",
+                source.name,
+                identity.key,
+                verdict.error,
+                extra=log_fields(source, identity, "store_unavailable"),
+            )
+            return unavailable("store-unavailable", "the claim store is unavailable")
+        self.metrics.claimed(source.scope, time.perf_counter() - started, 1)
+        if isinstance(verdict, Ours):
+            return await self._publish(source, identity, verdict, forward, body)
+        if isinstance(verdict, Conflict):
+            return self._conflict(source, identity, verdict, request, message)
+        return self._answer_for(source, identity, verdict)
+
+    def _conflict(
+        self,
+        source: WebhookSource,
+        identity: Identity,
+        verdict: Conflict,
+        request: ClaimRequest,
+        message: Message,
+    ) -> Response:
+        """Another body under a used key: 422, recorded with both fingerprints and the diff."""
+        self.stats["conflicts"] += 1
+        if self.activity is not None:
+            report = conflicts.report(
+                request,
+                message,
+                source.fingerprint,
+                claimed_fingerprint=verdict.fingerprint,
+                claimed_hash=verdict.payload_hash,
+                claimed_payload=verdict.payload,
+                keep_payload=source.keep_payload,
+                source=source.name,
+            )
+            self.activity.conflict(identity.scope, identity.key, "", report=report)
+        logger.info(
+            "webhook %s: key %s reused with another body: 422",
+            source.name,
+            identity.key,
+            extra=log_fields(source, identity, "conflict"),
+        )
+        return problem(
+            422,
+            "key-conflict",
+            "Idempotency key reused",
+            "this idempotency key was used with another body; use a new key",
+        )
+
+    def _answer_for(self, source: WebhookSource, identity: Identity, verdict: Verdict) -> Response:
+        """The reply to a key we do not own: replay, or come back later."""
+        if isinstance(verdict, InFlight):
+            self.stats["in_flight"] += 1
+            return in_flight()
+        if isinstance(verdict, Unclaimable):
+            return problem(400, "invalid-key", "Invalid idempotency key", verdict.detail)
+        stored = Reply.from_result(verdict.result) if isinstance(verdict, Duplicate) else None
+        if stored is None:
+            # A finished key of this scope without a stored reply was not completed by a
+            # receiver; the publish happened once, so answer as the publish would have.
+            stored = accepted(source, identity)
+        self.stats["replayed"] += 1
+        if self.activity is not None:
+            self.activity.duplicate(identity.scope)
+        logger.debug(
+            "webhook %s: replayed key %s",
+            source.name,
+            identity.key,
+            extra=log_fields(source, identity, "replayed"),
+        )
+        return stored.response(replayed=True)
+
+    async def _publish(
+        self,
+        source: WebhookSource,
+        identity: Identity,
+        ours: Ours,
+        forward: dict[str, str],
+        body: bytes,
+    ) -> Response:
+        fence = ours.fence
+        try:
+            async with asyncio.timeout(self.publish_timeout_s):
+                await self.publisher.publish(
+                    source.channel, body, message_id=identity.message_id, headers=forward
+                )
+        except asyncio.CancelledError:
+            await asyncio.shield(self._give_back(fence, ours.attempts))
+            raise
+        except Exception as exc:
+            await self._give_back(fence, ours.attempts)
+            if too_large_for_broker(exc):
+                self.stats["broker_refused"] += 1
+                logger.info(
+                    "webhook %s: the broker refused key %s for its size (%s): 413",
+                    source.name,
+                    fence.key,
+                    exc.__class__.__name__,
+                    extra=log_fields(source, identity, "broker_refused"),
+                )
+                return problem(
+                    413,
+                    "payload-too-large",
+                    "Payload too large",
+                    "the broker refuses a message this large (body and headers)",
+                )
+            self.stats["broker_unavailable"] += 1
+            logger.warning(
+                "webhook %s: publishing to %s failed (%s: %s); key %s released for the "
+                "sender's retry",
+                source.name,
+                source.channel,
+                exc.__class__.__name__,
+                exc,
+                fence.key,
+                extra=log_fields(source, identity, "broker_unavailable"),
+            )
+            return unavailable("broker-unavailable", "the broker did not confirm the message")
+        reply = accepted(source, identity)
+        try:
+            async with asyncio.timeout(self.store_timeout_s):
+                await self.store.complete([(fence, reply.to_result(), source.retention_s)])
+        except Exception as exc:
+            # The message is on the broker: accepted is the truth. A retry after the lease
+            # publishes it again under the same message id, and the worker dedupes that.
+            logger.warning(
+                "webhook %s: key %s published but its reply was not stored (%s: %s)",
+                source.name,
+                fence.key,
+                exc.__class__.__name__,
+                exc,
+                extra=log_fields(source, identity, "reply_not_stored"),
+            )
+        self.stats["accepted"] += 1
+        logger.debug(
+            "webhook %s: accepted key %s -> %s",
+            source.name,
+            fence.key,
+            source.channel,
+            extra=log_fields(source, identity, "accepted"),
+        )
+        return reply.response()
+
+    async def _give_back(self, fence: Fence, attempt: int) -> None:
+        """Release the key at once, so the sender's retry takes it over without waiting."""
+        try:
+            async with asyncio.timeout(self.store_timeout_s):
+                await self.store.give_back(fence, attempt=attempt)
+        except Exception as exc:
+            logger.warning(
+                "could not release key %s (%s: %s); its lease expires",
+                fence.key,
+                exc.__class__.__name__,
+                exc,
+                extra={"scope": fence.scope, "key": fence.key, "outcome": "not_released"},
+            )
+
+
+__all__ = ["Intake", "log_fields"]

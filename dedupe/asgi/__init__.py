@@ -1,0 +1,8 @@
+"""dedupe.asgi: a user's own HTTP endpoints made idempotent on the claims table, as plain ASGI
+middleware (no web framework imported)."""
+
+from __future__ import annotations
+
+from dedupe.asgi.middleware import MAX_RESPONSE_BYTES, Idempotency, IdempotencyMiddleware
+
+__all__ = ["MAX_RESPONSE_BYTES", "Idempotency", "IdempotencyMiddleware"]

@@ -1,0 +1,297 @@
+"""What the idempotency middleware answers itself: responses stored as a claim's result and
+replayed byte for byte, and RFC 9457 problem+json for its refusals (plain ASGI)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dedupe.claims.store import ClaimRequest
+from dedupe.claims.verdicts import Conflict, Duplicate, InFlight, Unavailable, Verdict
+from dedupe.observability.activity import Activity
+
+logger = logging.getLogger("dedupe.asgi")
+
+ASGIMessage = MutableMapping[str, Any]
+Send = Callable[[ASGIMessage], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+PROBLEM_JSON = b"application/problem+json"
+REPLAYED_HEADER = b"idempotent-replayed"
+# A key in flight is held for the endpoint's run: come back in a second.
+IN_FLIGHT_RETRY_AFTER_S = 1
+# The database is unreachable: give it a moment.
+UNAVAILABLE_RETRY_AFTER_S = 5
+# Headers kept with a stored response and replayed: what the body means and where the created
+# resource is. Never Set-Cookie or anything else a later caller must not get.
+KEPT_HEADERS = frozenset(
+    {b"content-type", b"content-encoding", b"content-language", b"content-location", b"location"}
+)
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A response as kept in the claims table: status, the kept headers and the body bytes.
+
+    `body_kept` is False for a response too large (or streamed) to keep, whose effects were
+    committed: it replays its status and headers with an empty body.
+    """
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+    route: str | None = None
+    body_kept: bool = True
+
+    @classmethod
+    def of(
+        cls,
+        status: int,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        route: str | None,
+        body_kept: bool = True,
+    ) -> StoredResponse:
+        kept = tuple(
+            (name.lower(), value) for name, value in headers if name.lower() in KEPT_HEADERS
+        )
+        if not body_kept:
+            # No body to describe: what stays is where the created resource is.
+            kept = tuple((name, value) for name, value in kept if name == b"location")
+        return cls(status, kept, body if body_kept else b"", route, body_kept)
+
+    def to_result(self) -> str:
+        """The claim's result (jsonb): the body as text when it is UTF-8 without NUL (jsonb
+        holds no NUL), else base64; headers as latin-1 text (one character per byte)."""
+        record: dict[str, Any] = {
+            "v": RECORD_VERSION,
+            "status": self.status,
+            "headers": [[n.decode("latin-1"), v.decode("latin-1")] for n, v in self.headers],
+        }
+        if self.route is not None:
+            record["route"] = self.route
+        if not self.body_kept:
+            record["body_kept"] = False
+        try:
+            text = self.body.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is not None and "\x00" not in text:
+            record["body"] = text
+        else:
+            record["body_b64"] = base64.b64encode(self.body).decode("ascii")
+        # ensure_ascii: every character as an escape jsonb takes back (lone surrogates cannot
+        # occur: the text came from a valid UTF-8 decoding).
+        return json.dumps(record, separators=(",", ":"))
+
+    @classmethod
+    def from_result(cls, result: str | None) -> StoredResponse | None:
+        """The stored response, or None when the result is not one of ours."""
+        try:
+            record = json.loads(result or "null")
+            if not isinstance(record, dict) or record.get("v") != RECORD_VERSION:
+                return None
+            if "body" in record:
+                body = str(record["body"]).encode("utf-8")
+            else:
+                body = base64.b64decode(str(record["body_b64"]), validate=True)
+            headers = tuple(
+                (str(n).encode("latin-1"), str(v).encode("latin-1")) for n, v in record["headers"]
+            )
+            route = record.get("route")
+            return cls(
+                int(record["status"]),
+                headers,
+                body,
+                route if isinstance(route, str) else None,
+                record.get("body_kept", True) is not False,
+            )
+        except (ValueError, TypeError, KeyError, UnicodeEncodeError):
+            return None
+
+    async def replay(self, send: Send) -> None:
+        """Send it again, marked `Idempotent-Replayed: true`."""
+        headers = [*self.headers, (REPLAYED_HEADER, b"true")]
+        await send_response(send, self.status, headers, self.body)
+
+
+async def send_response(send: Send, status: int, headers: Headers, body: bytes) -> None:
+    """One whole response, with its Content-Length."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """An RFC 9457 problem+json answer of the middleware's own."""
+
+    status: int
+    slug: str
+    title: str
+    detail: str
+    retry_after_s: int | None = None
+    close: bool = False  # Connection: close (a body left unread)
+
+    async def send(self, send: Send) -> None:
+        document = {
+            "type": f"urn:dedupe-worker:problem:{self.slug}",
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        headers: Headers = [(b"content-type", PROBLEM_JSON)]
+        if self.retry_after_s is not None:
+            headers.append((b"retry-after", str(self.retry_after_s).encode()))
+        if self.close:
+            headers.append((b"connection", b"close"))
+        body = json.dumps(document, separators=(",", ":")).encode()
+        await send_response(send, self.status, headers, body)
+
+
+def bad_key(detail: str) -> Problem:
+    return Problem(400, "invalid-key", "Invalid idempotency key", detail)
+
+
+def key_required() -> Problem:
+    return Problem(
+        400,
+        "missing-key",
+        "Idempotency key required",
+        "this endpoint needs an Idempotency-Key header (1-255 visible ASCII characters)",
+    )
+
+
+def no_principal() -> Problem:
+    return Problem(
+        400,
+        "missing-principal",
+        "Idempotency key without a caller",
+        "a request with an Idempotency-Key must say who sends it (its credentials); keys are "
+        "never shared between callers",
+    )
+
+
+def key_conflict() -> Problem:
+    return Problem(
+        422,
+        "key-conflict",
+        "Idempotency key reused",
+        "this idempotency key was used for another request (method, path, query or body); "
+        "use a new key",
+    )
+
+
+def in_flight(detail: str | None = None) -> Problem:
+    return Problem(
+        409,
+        "in-flight",
+        "Request in flight",
+        detail or "a request with this idempotency key is being processed; retry shortly",
+        IN_FLIGHT_RETRY_AFTER_S,
+    )
+
+
+def key_failed() -> Problem:
+    return Problem(
+        409,
+        "key-failed",
+        "Idempotency key unusable",
+        "this idempotency key has no response to replay (its claim failed); use a new key",
+    )
+
+
+def unavailable(detail: str) -> Problem:
+    return Problem(
+        503, "store-unavailable", "Service unavailable", detail, UNAVAILABLE_RETRY_AFTER_S
+    )
+
+
+def too_large(limit: int) -> Problem:
+    return Problem(
+        413,
+        "payload-too-large",
+        "Payload too large",
+        f"a request with an Idempotency-Key may carry at most {limit} bytes of body",
+        close=True,
+    )
+
+
+def db_down() -> Problem:
+    return unavailable("the idempotency keys' database is unavailable; retry")
+
+
+async def answer(send: Send, problem: Problem, outcome: str) -> tuple[str, str | None]:
+    """Send a problem; return the outcome for the metrics (no route known)."""
+    await problem.send(send)
+    return outcome, None
+
+
+async def answer_for(
+    send: Send, request: ClaimRequest, verdict: Verdict, activity: Activity | None
+) -> tuple[str, str | None]:
+    """The answer to a key this request does not own: its outcome, and the route it replays."""
+    fields = {"scope": request.scope, "key": request.key}
+    if isinstance(verdict, Duplicate) and verdict.status == "completed":
+        stored = StoredResponse.from_result(verdict.result)
+        if stored is not None:
+            if activity is not None:
+                activity.duplicate(request.scope)
+            logger.debug("key %s: replayed", request.key, extra={**fields, "outcome": "replayed"})
+            await stored.replay(send)
+            return "replayed", stored.route
+    if isinstance(verdict, Conflict):
+        if activity is not None:
+            activity.conflict(request.scope, request.key, "another request: 422")
+        logger.info(
+            "key %s: reused for another request: 422",
+            request.key,
+            extra={**fields, "outcome": "conflict"},
+        )
+        return await answer(send, key_conflict(), "conflict")
+    if isinstance(verdict, InFlight):
+        return await answer(send, in_flight(), "in_flight")
+    if isinstance(verdict, Unavailable):
+        logger.warning(
+            "key %s: claiming failed (%s)",
+            request.key,
+            verdict.error,
+            extra={**fields, "outcome": "unavailable"},
+        )
+        return await answer(send, db_down(), "unavailable")
+    # Failed for good, or finished by something that stores no response of ours.
+    return await answer(send, key_failed(), "refused")
+
+
+__all__ = [
+    "IN_FLIGHT_RETRY_AFTER_S",
+    "KEPT_HEADERS",
+    "PROBLEM_JSON",
+    "REPLAYED_HEADER",
+    "UNAVAILABLE_RETRY_AFTER_S",
+    "Problem",
+    "StoredResponse",
+    "answer",
+    "answer_for",
+    "bad_key",
+    "db_down",
+    "in_flight",
+    "key_conflict",
+    "key_failed",
+    "key_required",
+    "no_principal",
+    "send_response",
+    "too_large",
+    "unavailable",
+]

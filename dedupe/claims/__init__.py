@@ -1,0 +1,32 @@
+"""The claim protocol: what a claim is made of (key, scope, fingerprint, storable values), its
+records and verdicts, the claim store on PostgreSQL, the leases held while a run waits, and the
+fenced completion. It knows nothing of brokers, handlers or HTTP."""
+
+from __future__ import annotations
+
+from dedupe.claims.records import Claim, ClaimRequest, Fence, Reason
+from dedupe.claims.store import ClaimStore
+from dedupe.claims.verdicts import (
+    Claims,
+    Conflict,
+    Duplicate,
+    InFlight,
+    Ours,
+    Unavailable,
+    Unclaimable,
+)
+
+__all__ = [
+    "Claim",
+    "ClaimRequest",
+    "ClaimStore",
+    "Claims",
+    "Conflict",
+    "Duplicate",
+    "Fence",
+    "InFlight",
+    "Ours",
+    "Reason",
+    "Unavailable",
+    "Unclaimable",
+]

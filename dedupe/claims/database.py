@@ -1,0 +1,148 @@
+"""The database connection: pools, the errors after which a statement may be sent again, the
+errors that mean a value was refused, and the numbered migrations."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+import asyncpg
+
+from dedupe.claims.values import storable_text
+from dedupe.errors import StoreError
+from dedupe.sql import migrations
+
+GC_LOCK_ID = 0x6465_6475_7065  # "dedupe": one clean-up at a time across all workers
+MIGRATE_LOCK_ID = GC_LOCK_ID + 1
+
+# Errors after which the same statement may simply be sent again.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    ConnectionError,
+    asyncpg.InterfaceError,
+    # Raised by the pool when it resets a connection the server has just terminated.
+    asyncpg.InternalClientError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.DeadlockDetectedError,
+    asyncpg.SerializationError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.QueryCanceledError,
+)
+
+
+# PostgreSQL refused a value, not the statement: SQLSTATE class 22 (data exception: NUL,
+# invalid input, out of range; asyncpg raises it too for an argument it cannot encode) and 54
+# (program limit exceeded: an index row too large, nesting too deep). A batched statement
+# refused so is split until only the items carrying such a value are left out.
+VALUE_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.DataError,
+    asyncpg.ProgramLimitExceededError,
+)
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, fit for logs and error messages."""
+    parts = urlsplit(dsn)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return dsn
+
+
+def said(exc: BaseException) -> str:
+    """What PostgreSQL (or asyncpg) said, on one line, fit for a header or a log."""
+    return storable_text(" ".join(str(exc).split()), 300)
+
+
+class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
+    """A pooled connection that skips the pool's reset after the store's own statements.
+
+    asyncpg resets every released connection with one more round trip (advisory locks,
+    cursors, LISTEN, session settings). The claim statements touch none of these, so the store
+    marks the connection clean just before releasing it; a connection handed to a handler as
+    `ctx.db`, or used for anything else, is never marked and is reset as usual.
+    """
+
+    _dedupe_clean = False
+
+    def mark_clean(self) -> None:
+        self._dedupe_clean = True
+
+
+async def _reset(conn: asyncpg.Connection) -> None:
+    """The pool's reset, skipped for a connection the store marked clean."""
+    if getattr(conn, "_dedupe_clean", False):
+        conn._dedupe_clean = False
+        return
+    query = conn.get_reset_query()
+    if query:
+        await conn.execute(query)
+
+
+def loopback_without_tls(dsn: str) -> bool:
+    """Whether to connect without TLS: the host is this machine and nothing asks for TLS.
+
+    asyncpg's default `sslmode=prefer` negotiates TLS even on 127.0.0.1, where it only costs
+    CPU (measured in BENCHMARKS.md). An explicit sslmode in the URL or PGSSLMODE wins.
+    """
+    parts = urlsplit(dsn)
+    if "sslmode" in parse_qs(parts.query) or os.environ.get("PGSSLMODE"):
+        return False
+    return parts.hostname in ("127.0.0.1", "::1", "localhost")
+
+
+async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
+    """Create a pool or raise StoreError that says how to reach the database."""
+    try:
+        pool = await asyncpg.create_pool(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            timeout=10,
+            server_settings={"application_name": "dedupe-worker"},
+            connection_class=StoreConnection,
+            reset=_reset,
+            **({"ssl": False} if loopback_without_tls(dsn) else {}),
+        )
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise StoreError(
+            f"cannot connect to PostgreSQL at {redact(dsn)}: {exc}. Is it running "
+            "(`make services`)? Set the URL with --database or DEDUPE_DATABASE_URL."
+        ) from exc
+    assert pool is not None
+    return pool
+
+
+async def migrate(dsn: str) -> list[str]:
+    """Apply the numbered migrations not yet applied; return the names applied."""
+    applied: list[str] = []
+    try:
+        conn = await asyncpg.connect(dsn, timeout=10)
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise StoreError(
+            f"cannot connect to PostgreSQL at {redact(dsn)}: {exc}. Is it running "
+            "(`make services`)? Set the URL with --database or DEDUPE_DATABASE_URL."
+        ) from exc
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATE_LOCK_ID)
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS dedupe_migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {r["version"] for r in await conn.fetch("SELECT version FROM dedupe_migrations")}
+            for version, name, sql in migrations():
+                if version in done:
+                    continue
+                await conn.execute(sql)
+                await conn.execute(
+                    "INSERT INTO dedupe_migrations (version, name) VALUES ($1, $2)", version, name
+                )
+                applied.append(f"{version:04d}_{name}")
+    except asyncpg.PostgresError as exc:
+        raise StoreError(f"migration failed: {exc}") from exc
+    finally:
+        await conn.close()
+    return applied

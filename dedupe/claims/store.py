@@ -1,0 +1,394 @@
+"""The claim store: the claim protocol's statements on PostgreSQL through asyncpg."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import asyncpg
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from dedupe.claims.database import (
+    GC_LOCK_ID,
+    MIGRATE_LOCK_ID,
+    TRANSIENT_ERRORS,
+    VALUE_ERRORS,
+    connect_pool,
+    loopback_without_tls,
+    migrate,
+    redact,
+    said,
+)
+from dedupe.claims.records import Claim, ClaimRequest, Fence
+from dedupe.claims.values import dropped_result, storable_text
+from dedupe.errors import StoreError
+from dedupe.sql import queries
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ValueRefused(StoreError):
+    """PostgreSQL refused a value of the statement (not the connection, not the statement)."""
+
+
+class ClaimStore:
+    """Claims, leases, outcomes and clean-up on one asyncpg pool."""
+
+    def __init__(self, pool: asyncpg.Pool, *, owner: str) -> None:
+        self.pool = pool
+        self.owner = owner
+        self._q = queries()
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, dsn: str, *, owner: str, min_size: int = 1, max_size: int = 10
+    ) -> AsyncIterator[ClaimStore]:
+        """Connect a pool, yield a store, close the pool on exit."""
+        pool = await connect_pool(dsn, min_size=min_size, max_size=max_size)
+        try:
+            yield cls(pool, owner=owner)
+        finally:
+            await pool.close()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    async def _fetch(self, name: str, *args: Any, conn: Any = None) -> list[asyncpg.Record]:
+        try:
+            if conn is not None:
+                return list(await conn.fetch(self._q[name], *args))
+            # A statement of its own is sent again after a transient error, on another pooled
+            # connection. Every statement here is safe to repeat: a repeated claim finds its own
+            # claims by its request id, a repeated completion or failure finds our own outcome,
+            # a repeated attempt count or give-back finds the count it made.
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(TRANSIENT_ERRORS),
+                stop=stop_after_attempt(4),
+                wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
+                reraise=True,
+            ):
+                with attempt:
+                    async with self.pool.acquire() as pooled:
+                        rows = list(await pooled.fetch(self._q[name], *args))
+                        pooled.mark_clean()
+                        return rows
+            raise AssertionError("unreachable")  # pragma: no cover
+        except TRANSIENT_ERRORS as exc:
+            raise StoreError(f"{name} failed: {exc.__class__.__name__}: {exc}") from exc
+        except VALUE_ERRORS as exc:
+            raise ValueRefused(f"{name}: PostgreSQL refused a value: {said(exc)}") from exc
+        except asyncpg.PostgresError as exc:
+            raise StoreError(f"{name} was refused by PostgreSQL: {exc}") from exc
+
+    async def _each(
+        self, items: Sequence[T], send: Callable[[Sequence[T]], Awaitable[list[asyncpg.Record]]]
+    ) -> tuple[list[asyncpg.Record], list[tuple[T, str]]]:
+        """Send a batched statement; where PostgreSQL refuses a value, split the batch in halves
+        until only the items carrying it are left out. Returns the rows and the refused items
+        with the reason; any other error fails the whole batch."""
+        try:
+            return await send(items), []
+        except ValueRefused as exc:
+            if len(items) == 1:
+                return [], [(items[0], str(exc))]
+            logger.warning("PostgreSQL refused a value in a batch of %d; splitting it", len(items))
+        middle = len(items) // 2
+        rows, refused = await self._each(items[:middle], send)
+        more_rows, more_refused = await self._each(items[middle:], send)
+        return rows + more_rows, refused + more_refused
+
+    # -- the claim protocol ----------------------------------------------------------
+
+    async def claim_batch(
+        self, requests: Sequence[ClaimRequest], *, lease_s: float, retention_s: float
+    ) -> list[Claim]:
+        """Claim every key in one statement; keys must be distinct within the batch.
+
+        A request whose values PostgreSQL refuses comes back `refused`, the others claimed as
+        usual (the batch is split around it).
+        """
+        if not requests:
+            return []
+        request_id = secrets.randbits(63)
+
+        async def send(batch: Sequence[ClaimRequest]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "claim_batch",
+                [r.scope for r in batch],
+                [r.key for r in batch],
+                [r.payload_hash for r in batch],
+                self.owner,
+                float(lease_s),
+                float(retention_s),
+                request_id,
+                [r.fingerprint for r in batch],
+                [r.raw_hash for r in batch],
+                [r.payload for r in batch],
+            )
+
+        rows, refused = await self._each(requests, send)
+        by_key = {(row["scope"], row["key"]): _claim_of(row) for row in rows}
+        for request, why in refused:
+            by_key[(request.scope, request.key)] = Claim(
+                scope=request.scope, key=request.key, token=None, attempts=0, refused=why
+            )
+        return [by_key[(r.scope, r.key)] for r in requests]
+
+    async def warm_up(self, connections: int, *, timeout_s: float = 5.0) -> None:
+        """Open up to `connections` pooled connections (never more than the pool holds) and
+        plan the hot statements on each: each runs once with no rows (nothing is claimed or
+        changed), so the first messages after a start do not wait for connects and planning.
+        Best effort, bounded by `timeout_s`: a failure is logged and the start goes on."""
+        count = min(max(0, connections), self.pool.get_max_size())
+
+        async def warm(stack: contextlib.AsyncExitStack) -> None:
+            # Each connection is registered as soon as it is acquired, so a cancellation or a
+            # failure releases every one already taken.
+            conn = await stack.enter_async_context(self.pool.acquire())
+            await conn.fetch(self._q["claim_batch"], [], [], [], "", 1.0, 1.0, 0, [], [], [])
+            await conn.fetch(self._q["complete"], [], [], [], [], [])
+            await conn.fetch(self._q["heartbeat"], [], [], [], [])
+            conn.mark_clean()  # no session state to reset
+
+        try:
+            async with asyncio.timeout(timeout_s), contextlib.AsyncExitStack() as stack:
+                # All of them end before the stack releases what they took.
+                results = await asyncio.gather(
+                    *(warm(stack) for _ in range(count)), return_exceptions=True
+                )
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise failed[0]
+        except Exception as exc:  # never fails the start: the first claims connect instead
+            logger.warning("warming up the claims pool failed (%r); going on without", exc)
+
+    async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[tuple[str, str]]:
+        """Extend leases; return the (scope, key) pairs that are still ours.
+
+        A lease whose values PostgreSQL refuses counts as ours (its fence still guards the
+        completion); the others are extended as usual.
+        """
+        if not leases:
+            return set()
+
+        async def send(batch: Sequence[tuple[Fence, float]]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "heartbeat",
+                [f.scope for f, _ in batch],
+                [f.key for f, _ in batch],
+                [f.token for f, _ in batch],
+                [float(lease_s) for _, lease_s in batch],
+            )
+
+        rows, refused = await self._each(leases, send)
+        for (fence, _), why in refused:
+            logger.warning("heartbeat of %s/%s refused: %s", fence.scope, fence.key, why)
+        return {(row["scope"], row["key"]) for row in rows} | {
+            (fence.scope, fence.key) for (fence, _), _ in refused
+        }
+
+    async def complete(
+        self,
+        outcomes: Sequence[tuple[Fence, str, float]],
+        *,
+        conn: asyncpg.Connection | None = None,
+    ) -> set[tuple[str, str]]:
+        """Record (fence, result_json, retention_s) outcomes; return the keys completed.
+
+        On its own connection, a result PostgreSQL refuses is stored as a marker saying why
+        (dedupe.claims.values.dropped_result) and the batch's other outcomes are recorded as usual.
+        Inside a handler's transaction (`conn`) nothing can be split: results are made
+        storable before they get here (dedupe.claims.values.encode_result).
+        """
+        if not outcomes:
+            return set()
+
+        async def send(batch: Sequence[tuple[Fence, str, float]]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "complete",
+                [f.scope for f, _, _ in batch],
+                [f.key for f, _, _ in batch],
+                [f.token for f, _, _ in batch],
+                [result for _, result, _ in batch],
+                [float(retention_s) for _, _, retention_s in batch],
+                conn=conn,
+            )
+
+        if conn is not None:
+            rows = await send(outcomes)
+        else:
+            rows, refused = await self._each(outcomes, send)
+            for (fence, _, retention_s), why in refused:
+                logger.warning(
+                    "the result of %s/%s was refused (%s); storing a marker instead",
+                    fence.scope,
+                    fence.key,
+                    why,
+                    extra={"scope": fence.scope, "key": fence.key},
+                )
+                marker = dropped_result(f"PostgreSQL refused the result: {why}")
+                with contextlib.suppress(ValueRefused):
+                    rows += await send([(fence, marker, retention_s)])
+        return {(row["scope"], row["key"]) for row in rows}
+
+    async def record_attempt(
+        self, fence: Fence, *, attempt: int, error: str | None, lease_s: float
+    ) -> int | None:
+        """Count attempt number `attempt` (the one about to run); None when the key is no
+        longer ours. Sent again after a lost reply, it counts nothing more."""
+        rows = await self._fetch(
+            "record_attempt",
+            fence.scope,
+            fence.key,
+            fence.token,
+            None if error is None else storable_text(error, 1000),
+            float(lease_s),
+            attempt,
+        )
+        return int(rows[0]["attempts"]) if rows else None
+
+    async def fail(self, fence: Fence, *, error: str, retention_s: float) -> bool:
+        """Mark the key failed for good; False when it was no longer ours."""
+        rows = await self._fetch(
+            "fail",
+            fence.scope,
+            fence.key,
+            fence.token,
+            storable_text(error, 1000),
+            float(retention_s),
+        )
+        return bool(rows)
+
+    async def mark_dead_lettered(self, fences: Sequence[Fence]) -> None:
+        """Record that the dead letters of these failed claims were confirmed (fenced by the
+        token of the failure, so a newer claim's failure keeps its own record)."""
+        if not fences:
+            return
+
+        async def send(batch: Sequence[Fence]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "mark_dead_lettered",
+                [f.scope for f in batch],
+                [f.key for f in batch],
+                [f.token for f in batch],
+            )
+
+        await self._each(fences, send)
+
+    async def give_back(
+        self, fence: Fence, *, attempt: int | None = None, handed_back: bool = True
+    ) -> bool:
+        """Release our lease at once (graceful shutdown). `attempt`: the count the interrupted
+        run made, taken back (None: it was not counted; sent again after a lost reply, nothing
+        more is taken back). `handed_back` marks the key as given back (its next run need not
+        wait alone as a dead worker's key does)."""
+        rows = await self._fetch(
+            "give_back",
+            fence.scope,
+            fence.key,
+            fence.token,
+            attempt is not None,
+            handed_back,
+            attempt or 0,
+        )
+        return bool(rows)
+
+    # -- operations ----------------------------------------------------------------------
+
+    async def release(self, scope: str, key: str) -> str | None:
+        """Make a stuck or failed key claimable again; return its status, None if not found."""
+        rows = await self._fetch("release", scope, key)
+        return str(rows[0]["status"]) if rows else None
+
+    async def release_failed(self, scope: str, key: str) -> bool:
+        """Make a failed key claimable again (never one in progress); whether it was failed."""
+        return bool(await self._fetch("release_failed", scope, key))
+
+    async def gc(self, *, batch_size: int = 1000, max_batches: int = 100) -> int | None:
+        """Delete expired rows in batches under an advisory lock; None if another holds it."""
+        deleted = 0
+        try:
+            async with self.pool.acquire() as conn:
+                if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", GC_LOCK_ID):
+                    return None
+                try:
+                    for _ in range(max_batches):
+                        status = await conn.execute(self._q["gc_batch"], batch_size)
+                        count = int(status.split()[-1])
+                        deleted += count
+                        if count < batch_size:
+                            break
+                finally:
+                    await conn.execute("SELECT pg_advisory_unlock($1)", GC_LOCK_ID)
+        except TRANSIENT_ERRORS as exc:
+            raise StoreError(f"clean-up failed: {exc}") from exc
+        return deleted
+
+    async def list_claims(
+        self,
+        *,
+        scope: str | None = None,
+        status: str | None = None,
+        older_than_s: float | None = None,
+        limit: int = 50,
+    ) -> list[dict[str, Any]]:
+        rows = await self._fetch("list_claims", scope, status, older_than_s, limit)
+        return [dict(row) for row in rows]
+
+    async def show_claim(self, scope: str, key: str) -> dict[str, Any] | None:
+        rows = await self._fetch("show_claim", scope, key)
+        return dict(rows[0]) if rows else None
+
+
+def _claim_of(row: asyncpg.Record) -> Claim:
+    token = row["token"]
+    handed_back = bool(row["handed_back"])
+    return Claim(
+        scope=row["scope"],
+        key=row["key"],
+        token=token,
+        attempts=row["attempts"] or row["existing_attempts"] or 0,
+        # Re-claimed (not inserted): a lapsed lease of a dead worker, unless it was handed
+        # back. A claim of ours found again by a repeated statement is counted as new.
+        taken_over=token is not None and row["inserted"] is False and not handed_back,
+        handed_back=handed_back,
+        status=row["status"],
+        same_payload=row["same_payload"],
+        lease_live=row["lease_live"],
+        result=row["result"],
+        error=row["error"],
+        dead_lettered=row["dead_lettered"],
+        row_token=row["row_token"],
+        row_fingerprint=row["row_fingerprint"],
+        row_hash=row["row_hash"],
+        row_payload=row["row_payload"],
+    )
+
+
+__all__ = [
+    "GC_LOCK_ID",
+    "MIGRATE_LOCK_ID",
+    "TRANSIENT_ERRORS",
+    "VALUE_ERRORS",
+    "Claim",
+    "ClaimRequest",
+    "ClaimStore",
+    "Fence",
+    "ValueRefused",
+    "connect_pool",
+    "loopback_without_tls",
+    "migrate",
+    "redact",
+]
