@@ -58,9 +58,14 @@ CREATE TABLE dedupe_claims (
 
     -- The outcome.
     result            jsonb,                 -- completed: the handler's result, replayed to duplicates
-    -- The last error: a failed key's reason and detail ('handler_error: ValueError: ...'), an
-    -- in-progress key's last retried error, or 'handed back' on a key a stopping worker gave
-    -- back (give_back), so that its next claim is not counted as a crash.
+    -- Failed: why, a dedupe.claims.records.Reason value ('handler_error', 'rejected', ...), the
+    -- x-dedupe-reason of its dead letter. NULL on every other row, and on a failure recorded
+    -- without one (read as handler_error). No CHECK on its values: a reason added later would
+    -- need a migration, and a worker of an older version could not fail a key with it.
+    reason            text,
+    -- A failed key's detail (the x-dedupe-detail: 'ValueError: ...'), an in-progress key's last
+    -- retried error, or 'handed back' on a key a stopping worker gave back (give_back), so that
+    -- its next claim is not counted as a crash.
     error             text,
     -- When the broker confirmed a failed key's dead letter. A failed key without it was failed
     -- by a worker that died before its dead letter went out: its next delivery is dead-lettered
@@ -106,6 +111,7 @@ CREATE TABLE dedupe_claim_events (
     token     bigint,
     owner     text,
     attempts  integer,
+    reason    text,       -- a failure's reason (the claim's, at the time); NULL for the others
     detail    text        -- what happened: the error of a retry or a failure, a take-over's
                           -- previous owner, how a conflict was settled
 );
@@ -134,8 +140,9 @@ BEGIN
         VALUES (NEW.scope, NEW.key, 'attempt', NEW.token, NEW.owner, NEW.attempts, NEW.error);
     END IF;
     IF NEW.status = 'failed' AND OLD.status <> 'failed' THEN
-        INSERT INTO dedupe_claim_events (scope, key, event, token, owner, attempts, detail)
-        VALUES (NEW.scope, NEW.key, 'failed', NEW.token, NEW.owner, NEW.attempts, NEW.error);
+        INSERT INTO dedupe_claim_events (scope, key, event, token, owner, attempts, reason, detail)
+        VALUES (NEW.scope, NEW.key, 'failed', NEW.token, NEW.owner, NEW.attempts, NEW.reason,
+                NEW.error);
     END IF;
     IF NEW.retryable AND NOT OLD.retryable THEN
         INSERT INTO dedupe_claim_events (scope, key, event, token, owner, attempts, detail)
@@ -309,4 +316,5 @@ INSERT INTO dedupe_migrations (version, name) VALUES
     (6, 'token_sequence'),
     (7, 'outbox_and_steps'),
     (8, 'fingerprints'),
-    (9, 'outbox_producer_index');
+    (9, 'outbox_producer_index'),
+    (10, 'failure_reason');
