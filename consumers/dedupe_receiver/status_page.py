@@ -300,14 +300,14 @@ class StatusPage:
     def _recent(self, rows: list[dict[str, Any]]) -> str:
         head = (
             "<h2>Recent conflicts and dead letters</h2><table id='recent'><tr><th>when</th>"
-            "<th>event</th><th>scope</th><th>key</th><th>detail</th></tr>"
+            "<th>event</th><th>scope</th><th>key</th><th>reason</th><th>detail</th></tr>"
         )
         body = "".join(
             f"<tr><td>{_e(r['at'])}</td><td>{_e(r['event'])}</td><td>{_e(r['scope'])}</td>"
-            f"<td>{_e(r['key'])}</td><td>{_e(r['detail'])}</td></tr>"
+            f"<td>{_e(r['key'])}</td><td>{_e(r['reason'])}</td><td>{_e(r['detail'])}</td></tr>"
             for r in rows
         )
-        empty = "" if rows else "<tr><td colspan='5' class='muted'>none</td></tr>"
+        empty = "" if rows else "<tr><td colspan='6' class='muted'>none</td></tr>"
         return head + body + empty + "</table>"
 
     # -- POST ----------------------------------------------------------------------------

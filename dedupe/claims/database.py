@@ -114,8 +114,9 @@ async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> as
     return pool
 
 
-async def migrate(dsn: str) -> list[str]:
-    """Apply the numbered migrations not yet applied; return the names applied."""
+async def migrate(dsn: str, *, up_to: int | None = None) -> list[str]:
+    """Apply the numbered migrations not yet applied (those up to version `up_to` alone, when
+    given: a test's database as an older version left it); return the names applied."""
     applied: list[str] = []
     try:
         conn = await asyncpg.connect(dsn, timeout=10)
@@ -134,7 +135,7 @@ async def migrate(dsn: str) -> list[str]:
             )
             done = {r["version"] for r in await conn.fetch("SELECT version FROM dedupe_migrations")}
             for version, name, sql in migrations():
-                if version in done:
+                if version in done or (up_to is not None and version > up_to):
                     continue
                 await conn.execute(sql)
                 await conn.execute(

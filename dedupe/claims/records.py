@@ -60,7 +60,8 @@ class Claim:
     same_payload: bool | None = None
     lease_live: bool | None = None
     result: str | None = None
-    error: str | None = None
+    reason: str | None = None  # a failed row's Reason value (None: recorded without one)
+    error: str | None = None  # a failed row's detail
     dead_lettered: bool | None = None
     row_token: int | None = None  # the token of the row in the way (not ours)
     # A conflict's other side: the claim's scheme (None: raw), its hash and its kept payload.

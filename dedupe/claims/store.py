@@ -29,7 +29,7 @@ from dedupe.claims.database import (
     redact,
     said,
 )
-from dedupe.claims.records import Claim, ClaimRequest, Fence
+from dedupe.claims.records import Claim, ClaimRequest, Fence, Reason
 from dedupe.claims.values import dropped_result, storable_text
 from dedupe.errors import StoreError
 from dedupe.sql import queries
@@ -259,14 +259,16 @@ class ClaimStore:
         )
         return int(rows[0]["attempts"]) if rows else None
 
-    async def fail(self, fence: Fence, *, error: str, retention_s: float) -> bool:
-        """Mark the key failed for good; False when it was no longer ours."""
+    async def fail(self, fence: Fence, *, reason: Reason, detail: str, retention_s: float) -> bool:
+        """Mark the key failed for good, for `reason` (its own column) with `detail`; False when
+        it was no longer ours."""
         rows = await self._fetch(
             "fail",
             fence.scope,
             fence.key,
             fence.token,
-            storable_text(error, 1000),
+            Reason(reason).value,
+            storable_text(detail, 1000),
             float(retention_s),
         )
         return bool(rows)
@@ -368,6 +370,7 @@ def _claim_of(row: asyncpg.Record) -> Claim:
         same_payload=row["same_payload"],
         lease_live=row["lease_live"],
         result=row["result"],
+        reason=row["reason"],
         error=row["error"],
         dead_lettered=row["dead_lettered"],
         row_token=row["row_token"],

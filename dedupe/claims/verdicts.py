@@ -100,10 +100,13 @@ class Unavailable:
 Verdict = Ours | Duplicate | InFlight | Conflict | Unsent | Unclaimable | Unavailable
 
 
-def _reason_of(error: str | None) -> Reason:
-    """The reason a failed claim recorded (its error starts with it)."""
-    prefix = (error or "").split(":", 1)[0]
-    return Reason(prefix) if prefix in Reason.__members__.values() else Reason.HANDLER_ERROR
+def _reason_of(recorded: str | None) -> Reason:
+    """The reason a failed claim recorded in its own column; handler_error for a failure
+    recorded without one (written by hand, or by a worker older than migration 0010 after it
+    ran) or with one this version does not know."""
+    if recorded is None or recorded not in Reason.__members__.values():
+        return Reason.HANDLER_ERROR
+    return Reason(recorded)
 
 
 def verdict_of(claim: Claim) -> Verdict | None:
@@ -122,9 +125,10 @@ def verdict_of(claim: Claim) -> Verdict | None:
     if claim.same_payload is False:
         return Conflict(claim.status, claim.row_fingerprint, claim.row_hash, claim.row_payload)
     if claim.status == "failed" and not claim.dead_lettered and claim.row_token is not None:
-        detail = (claim.error or "").split(": ", 1)[-1]
         return Unsent(
-            _reason_of(claim.error), detail, Fence(claim.scope, claim.key, claim.row_token)
+            _reason_of(claim.reason),
+            claim.error or "",
+            Fence(claim.scope, claim.key, claim.row_token),
         )
     if claim.status in ("completed", "failed"):
         return Duplicate(claim.status, claim.result)

@@ -48,7 +48,17 @@ async def cmd_claims(args: argparse.Namespace, settings: Settings) -> int:
             if args.json:
                 print(json.dumps(rows, default=str, indent=2))
             elif rows:
-                print_rows(rows, ["scope", "key", "status", "attempts", "age_s", "owner", "error"])
+                columns = [
+                    "scope",
+                    "key",
+                    "status",
+                    "attempts",
+                    "age_s",
+                    "owner",
+                    "reason",
+                    "error",
+                ]
+                print_rows(rows, columns)
             else:
                 print("no claims match")
             return 0
@@ -95,7 +105,7 @@ def _print_claim(row: dict[str, Any]) -> None:
     print()
     if history:
         print("history:")
-        print_rows(history, ["at", "event", "token", "owner", "attempts", "detail"])
+        print_rows(history, ["at", "event", "token", "owner", "attempts", "reason", "detail"])
     else:
         print("history: none (claimed once, no take-over, retry, failure or release)")
     for conflict in conflicts:

@@ -38,7 +38,10 @@ async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     else:
         print("none")
     print("\nrecent conflicts and dead letters:")
-    print_rows(recent, ["at", "event", "scope", "key", "detail"]) if recent else print("none")
+    if recent:
+        print_rows(recent, ["at", "event", "scope", "key", "reason", "detail"])
+    else:
+        print("none")
     print(f"\noutbox: {outbox_summary(outbox)}")
     if outbox["channels"]:
         print_rows(

@@ -354,7 +354,7 @@ class Runner:
         """
         try:
             recorded = await self.store.fail(
-                fence, error=f"{reason}: {detail}", retention_s=handler.retention_s
+                fence, reason=reason, detail=detail, retention_s=handler.retention_s
             )
         except StoreError as exc:
             logger.warning(

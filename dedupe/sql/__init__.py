@@ -1,4 +1,4 @@
-"""Named SQL queries and numbered migrations, loaded from package data."""
+"""Named SQL queries, numbered migrations and the whole schema, loaded from package data."""
 
 from __future__ import annotations
 
@@ -8,15 +8,22 @@ from importlib import resources
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
+# The schema in one file (what the migrations build, for people to read): no named queries.
+SCHEMA_FILE = "schema.sql"
+
 
 @cache
 def queries(file: str = "queries.sql") -> dict[str, str]:
     """Parse `queries.sql` (or another file of named queries) into {name: statement}."""
+    if file == SCHEMA_FILE:
+        raise ValueError(f"{SCHEMA_FILE} is the whole schema, not named queries: see schema()")
     text = resources.files(__package__).joinpath(file).read_text("utf-8")
     found: dict[str, str] = {}
     parts = _NAME.split(text)
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         found[name] = body.strip().rstrip(";")
+    if not found:
+        raise ValueError(f"{file} holds no named query (`-- name: <query_name>` lines)")
     return found
 
 
@@ -29,3 +36,9 @@ def migrations() -> list[tuple[int, str, str]]:
         if match:
             found.append((int(match[1]), match[2], entry.read_text("utf-8")))
     return sorted(found)
+
+
+def schema() -> str:
+    """The text of `schema.sql`: the schema every migration builds, with the runner's record
+    of them, as one script."""
+    return resources.files(__package__).joinpath(SCHEMA_FILE).read_text("utf-8")

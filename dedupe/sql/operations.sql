@@ -2,7 +2,7 @@
 -- None of them runs per message: they run on an operator's request or every few seconds.
 
 -- name: history
-SELECT at, event, token, owner, attempts, detail
+SELECT at, event, token, owner, attempts, reason, detail
   FROM dedupe_claim_events
  WHERE scope = $1 AND key = $2
  ORDER BY at, id;
@@ -56,7 +56,7 @@ SELECT scope, key, owner, token, attempts, lease_until, created_at, claimed_at,
  LIMIT $2;
 
 -- name: recent_events
-SELECT at, scope, key, event, owner, attempts, detail
+SELECT at, scope, key, event, owner, attempts, reason, detail
   FROM dedupe_claim_events
  WHERE event = ANY($1::text[])
  ORDER BY at DESC
@@ -90,8 +90,8 @@ SELECT c.scope, c.key, c.trace_id
 SELECT scope, key, coalesce(fingerprint, 'raw') AS fingerprint,
        encode(payload_hash, 'hex') AS payload_hash, encode(raw_hash, 'hex') AS raw_hash,
        octet_length(payload) AS payload_bytes, status, retryable, token, owner,
-       attempts, lease_until, result::text AS result, error, created_at, claimed_at, updated_at,
-       expires_at, lease_until > now() AS lease_live, dead_lettered_at, trace_id
+       attempts, lease_until, result::text AS result, reason, error, created_at, claimed_at,
+       updated_at, expires_at, lease_until > now() AS lease_live, dead_lettered_at, trace_id
   FROM dedupe_claims
  WHERE scope = $1 AND key = $2;
 

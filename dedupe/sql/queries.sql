@@ -37,7 +37,7 @@ claimed AS (
     ON CONFLICT (scope, key) DO UPDATE
         SET token = nextval('dedupe_claim_tokens'), owner = EXCLUDED.owner,
             status = 'in_progress', retryable = false, lease_until = EXCLUDED.lease_until,
-            error = NULL, updated_at = now(), claimed_at = now(),
+            reason = NULL, error = NULL, updated_at = now(), claimed_at = now(),
             expires_at = EXCLUDED.expires_at, claim_request_id = EXCLUDED.claim_request_id,
             fingerprint = EXCLUDED.fingerprint, payload_hash = EXCLUDED.payload_hash,
             raw_hash = EXCLUDED.raw_hash, payload = EXCLUDED.payload
@@ -56,7 +56,7 @@ SELECT i.scope, i.key,
                                     AND e.status = 'in_progress' THEN e.token END) AS token,
        cl.attempts, cl.inserted,
        e.status, s.same AS same_payload, e.token AS row_token,
-       e.lease_until > now() AS lease_live, e.result::text AS result, e.error,
+       e.lease_until > now() AS lease_live, e.result::text AS result, e.reason, e.error,
        e.attempts AS existing_attempts, e.dead_lettered_at IS NOT NULL AS dead_lettered,
        -- A re-claim of a key its worker handed back at a graceful stop (give_back), not of
        -- a dead worker's lapsed lease. The main query reads the rows as they were before
@@ -116,10 +116,12 @@ RETURNING attempts;
 
 -- name: fail
 -- A terminal failure (dead-lettered): duplicates of this key are acknowledged from now on.
--- Repeating it finds our own failure and answers the same.
+-- Repeating it finds our own failure and answers the same. $4: its reason (a Reason value),
+-- $5: the detail, each in its own column (the dead letter's x-dedupe-reason and -detail).
 UPDATE dedupe_claims
-   SET status = 'failed', retryable = false, error = $4, lease_until = NULL, updated_at = now(),
-       expires_at = now() + make_interval(secs => $5), dead_lettered_at = NULL
+   SET status = 'failed', retryable = false, reason = $4, error = $5, lease_until = NULL,
+       updated_at = now(), expires_at = now() + make_interval(secs => $6),
+       dead_lettered_at = NULL
  WHERE scope = $1 AND key = $2 AND token = $3 AND status IN ('in_progress', 'failed')
 RETURNING 1;
 
@@ -179,7 +181,7 @@ DELETE FROM dedupe_claims AS c
 -- name: list_claims
 -- Ages count from the current run's claim (claimed_at), not the key's first one.
 -- The scope filter is a scope and its tenants: starts_with, as LIKE would read _ and % as wildcards.
-SELECT scope, key, status, retryable, token, owner, attempts, lease_until, error,
+SELECT scope, key, status, retryable, token, owner, attempts, lease_until, reason, error,
        created_at, claimed_at, updated_at, expires_at,
        extract(epoch FROM now() - claimed_at)::float8 AS age_s
   FROM dedupe_claims
@@ -191,7 +193,7 @@ SELECT scope, key, status, retryable, token, owner, attempts, lease_until, error
 
 -- name: show_claim
 SELECT scope, key, encode(payload_hash, 'hex') AS payload_hash, status, retryable, token, owner,
-       attempts, lease_until, result::text AS result, error, created_at, updated_at, expires_at,
-       lease_until > now() AS lease_live
+       attempts, lease_until, result::text AS result, reason, error, created_at, updated_at,
+       expires_at, lease_until > now() AS lease_live
   FROM dedupe_claims
  WHERE scope = $1 AND key = $2;

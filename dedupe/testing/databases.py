@@ -223,14 +223,15 @@ class ClaimRow:
     owner: str
     token: int
     result: Any
-    error: str | None
+    reason: str | None  # a failed claim's reason (handler_error, rejected, ...)
+    error: str | None  # its detail; an in-progress claim's last retried error
     lease_live: bool
 
 
 async def read_claims(db: asyncpg.Pool | asyncpg.Connection) -> list[ClaimRow]:
     """The claims table, oldest first."""
     rows = await db.fetch(
-        "SELECT scope, key, status, attempts, owner, token, result, error,"
+        "SELECT scope, key, status, attempts, owner, token, result, reason, error,"
         " coalesce(lease_until > now(), false) AS lease_live"
         " FROM dedupe_claims ORDER BY created_at, scope, key"
     )

@@ -387,7 +387,8 @@ class TestRun:
             raise LookupError(f"key {key!r} is claimed in several scopes ({scopes}): pass scope=")
         [claim] = found
         if claim.status != "completed":
-            raise LookupError(f"key {key!r} is {claim.status}, not completed: {claim.error}")
+            why = ": ".join(part for part in (claim.reason, claim.error) if part)
+            raise LookupError(f"key {key!r} is {claim.status}, not completed: {why or '-'}")
         return claim.result
 
 

@@ -88,6 +88,8 @@ async def test_claims_list_filters_by_handler_status_and_age(db_url: str, claims
     assert sorted(r["key"] for r in json.loads(listed.stdout)) == ["j-bad", "j-ok", "j-stuck"]
     failed = await cli(db_url, "claims", "list", "--status", "failed")
     assert "j-bad" in failed.stdout and "j-ok" not in failed.stdout
+    # The reason, then its detail (ValueError is in the default retry_on: one attempt allowed)
+    assert "max_attempts_exceeded  1 attempts, last: ValueError: negative" in failed.stdout
     old = await cli(db_url, "claims", "list", "--older-than-s", "600", "--json")
     assert [r["key"] for r in json.loads(old.stdout)] == ["j-stuck"]
 
@@ -101,9 +103,13 @@ async def test_show_prints_a_claim_with_its_history(db_url: str, claims: object)
     claim = json.loads(shown.stdout)
     assert claim["status"] == "failed" and claim["retryable"] is True
     assert [e["event"] for e in claim["history"]] == ["failed", "dead_lettered", "released"]
-    assert claim["history"][0]["detail"].endswith("ValueError: negative")
+    why = ("max_attempts_exceeded", "1 attempts, last: ValueError: negative")
+    assert (claim["reason"], claim["error"]) == why
+    failed = claim["history"][0]
+    assert (failed["reason"], failed["detail"]) == why
     text = await cli(db_url, "claims", "show", "adm.work", "j-bad", "--table")
     assert "history:" in text.stdout and "released" in text.stdout
+    assert "REASON" in text.stdout and "max_attempts_exceeded" in text.stdout
 
 
 async def test_a_completed_key_is_never_released(db_url: str, claims: object) -> None:

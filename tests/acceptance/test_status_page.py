@@ -112,7 +112,8 @@ async def plant(db: asyncpg.Connection) -> None:
     )
     # bad-1 fails (its history records it), then a conflict is seen on done-1
     await db.execute(
-        "UPDATE dedupe_claims SET status = 'failed', error = 'handler_error: ValueError: no' "
+        "UPDATE dedupe_claims SET status = 'failed', reason = 'handler_error', "
+        "error = 'ValueError: no' "
         "WHERE key = 'bad-1'"
     )
     await db.execute(

@@ -255,9 +255,9 @@ async def test_a_failing_handler_is_retried_then_dead_lettered_after_max_attempt
         assert await process(processor, again) == [Action.ACK]
         assert again.settlements[-1].duplicate
     assert calls == [1, 2, 3]
-    row = await db.fetchrow("SELECT status, attempts, error FROM dedupe_claims")
-    assert (row["status"], row["attempts"]) == ("failed", 3)
-    assert row["error"].startswith("max_attempts_exceeded")
+    row = await db.fetchrow("SELECT status, attempts, reason, error FROM dedupe_claims")
+    assert (row["status"], row["attempts"], row["reason"]) == ("failed", 3, "max_attempts_exceeded")
+    assert row["error"] == "3 attempts, last: ConnectionError: provider down"
 
 
 async def test_attempts_survive_crash_loops_and_stop_them(
@@ -618,12 +618,14 @@ async def test_a_failure_whose_dead_letter_never_went_out_is_dead_lettered_again
     request = ClaimRequest("t.work", "k", job("k").message.payload_hash)
     [claim] = await store.claim_batch([request], lease_s=5, retention_s=3600)
     fence = Fence(claim.scope, claim.key, claim.token or 0)
-    assert await store.fail(fence, error="max_attempts_exceeded: 5 attempts", retention_s=3600)
+    # A detail with ': ' in it comes back whole, under its reason.
+    detail = "5 attempts, last: ValueError: no: really"
+    assert await store.fail(fence, reason=Reason.MAX_ATTEMPTS, detail=detail, retention_s=3600)
     async with Processor(app, store) as processor:
         again = job("k")
         assert await process(processor, again) == [Action.DEAD_LETTER]
         outcome = again.settlements[-1]
-        assert (outcome.reason, outcome.detail) == (Reason.MAX_ATTEMPTS, "5 attempts")
+        assert (outcome.reason, outcome.detail) == (Reason.MAX_ATTEMPTS, detail)
         assert await db.fetchval("SELECT dead_lettered_at IS NOT NULL FROM dedupe_claims")
         later = job("k")
         assert await process(processor, later) == [Action.ACK]

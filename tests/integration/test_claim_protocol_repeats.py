@@ -17,7 +17,7 @@ from dedupe import App, Context
 from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.memory import MemoryDelivery, make_message
-from dedupe.transport import Action
+from dedupe.transport import Action, Reason
 from tests.conftest import eventually
 
 CH = "work"
@@ -65,11 +65,11 @@ async def test_a_dead_letter_is_recorded_against_the_failure_it_reports(
     does not mark a newer failure of the key (claimed again after a release) as sent."""
     [first] = await store.claim_batch([request("k")], lease_s=30, retention_s=3600)
     old = Fence("t.work", "k", first.token or 0)
-    assert await store.fail(old, error="handler_error: x", retention_s=3600)
+    assert await store.fail(old, reason=Reason.HANDLER_ERROR, detail="x", retention_s=3600)
     await store.release("t.work", "k")
     [second] = await store.claim_batch([request("k")], lease_s=30, retention_s=3600)
     new = Fence("t.work", "k", second.token or 0)
-    assert await store.fail(new, error="handler_error: y", retention_s=3600)
+    assert await store.fail(new, reason=Reason.HANDLER_ERROR, detail="y", retention_s=3600)
     await store.mark_dead_lettered([old])
     assert await db.fetchval("SELECT dead_lettered_at FROM dedupe_claims") is None
     await store.mark_dead_lettered([new])
