@@ -265,7 +265,8 @@ async def test_dead_letter_log_lines_carry_the_message_fields(
     [line] = [
         r
         for r in caplog.records
-        if r.name.startswith("consumers.") and "dead-lettered" in r.getMessage()
+        if r.name.startswith(("dedupe_rabbitmq.", "dedupe_kafka."))
+        and "dead-lettered" in r.getMessage()
     ]
     assert fields_of(line) == {
         "scope": "t.work",
