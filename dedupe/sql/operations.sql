@@ -96,7 +96,7 @@ SELECT scope, key, coalesce(fingerprint, 'raw') AS fingerprint,
  WHERE scope = $1 AND key = $2;
 
 -- name: add_conflicts
--- Conflicts recorded by workers and receivers (dedupe/activity.py), only while their claim
+-- Conflicts recorded by workers and receivers (dedupe/observability/activity.py), only while their claim
 -- exists (a record without it would never be cleaned up); a message refused again counts.
 INSERT INTO dedupe_conflicts AS x
     (scope, key, payload_hash, fingerprint, claimed_fingerprint, diff, diff_more, note, channel,

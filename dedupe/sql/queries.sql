@@ -12,7 +12,7 @@
 -- started when its worker died is not charged for the crash.
 -- $7 identifies this statement: sent again after a lost reply, it finds the claims it made the
 -- first time (in progress, ours, with its id) and answers with their tokens.
--- The same payload (dedupe/fingerprints.py): $3 is each payload's hash under its handler's
+-- The same payload (dedupe/claims/fingerprints.py): $3 is each payload's hash under its handler's
 -- scheme $8 (NULL: raw), $9 the hash of its bytes under any other scheme. A row stored under
 -- the same scheme is compared by that hash; one stored raw (every claim before the handler
 -- chose another scheme) by the bytes' hash, so a byte-identical copy is never a conflict; one
