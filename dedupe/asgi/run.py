@@ -13,6 +13,7 @@ from typing import Any
 
 from dedupe.asgi.replies import ASGIMessage, Problem, Send, StoredResponse, in_flight, unavailable
 from dedupe.asgi.state import Idempotency
+from dedupe.claims.completion import Completion, complete_in_transaction
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.context import Database
 from dedupe.effects import outbox
@@ -267,19 +268,15 @@ class KeyedRun:
         False (our own answer sent) when the key is no longer ours or the database failed."""
         assert self._held is not None
         self._held.completing = True
-        outcome = [(self.fence, stored.to_result(), self.retention_s)]
+        completion = Completion(self.fence, stored.to_result(), self.retention_s, self._outgoing())
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
-                outgoing = self._outgoing()
-                if self.db.started or outgoing:
-                    conn = await self.db.connection()
-                    completed = await self.store.complete(outcome, conn=conn)
-                    if completed:
-                        await outbox.add(conn, outgoing, retention_s=self.retention_s)
-                        await self.db.commit()
-                        await self.db.close()  # a background task after the answer: no tx
+                if self.db.started or completion.outbox:
+                    # Closed once it commits: a background task after the answer gets no tx.
+                    completed = await complete_in_transaction(self.store, self.db, completion)
                 else:
-                    completed = await self.store.complete(outcome)
+                    outcome = (self.fence, completion.result, self.retention_s)
+                    completed = bool(await self.store.complete([outcome]))
         except Exception as exc:
             # StoreError, a driver error at COMMIT, our timeout: whether the commit happened
             # is unknown. A give-back finds a completed key and leaves it be (the retry gets

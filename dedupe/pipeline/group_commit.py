@@ -22,11 +22,10 @@ from typing import Any
 
 import asyncpg
 
+from dedupe.claims.completion import Completion, OutboxRow, add_to_outbox, complete_in
 from dedupe.claims.database import TRANSIENT_ERRORS
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.context import Database
-from dedupe.effects import outbox
-from dedupe.effects.outbox import Outgoing
 from dedupe.errors import StoreError
 from dedupe.pipeline.outcomes import Stats
 
@@ -244,8 +243,9 @@ class Lane:
         group, self._group = self._group, []
         assert conn is not None
         try:
-            completed = await self.store.complete(
-                [(d.fence, d.result, d.retention_s) for d in group], conn=conn
+            # The members' publishes are in the transaction already (Member.complete).
+            completed = await complete_in(
+                self.store, conn, [Completion(d.fence, d.result, d.retention_s) for d in group]
             )
             fenced = [d for d in group if (d.fence.scope, d.fence.key) not in completed]
             await conn.execute("ROLLBACK" if fenced else "COMMIT")
@@ -327,7 +327,7 @@ class Member:
         fence: Fence,
         result: str,
         retention_s: float,
-        outgoing: Sequence[Outgoing],
+        outgoing: Sequence[OutboxRow],
         *,
         attempt: int,
         lease_s: float,
@@ -339,7 +339,7 @@ class Member:
             raise StoreError(TAINTED)
         if outgoing:
             try:
-                await outbox.add(await self.db.connection(), outgoing, retention_s=retention_s)
+                await add_to_outbox(await self.db.connection(), outgoing, retention_s=retention_s)
             except _BROKEN as exc:
                 raise StoreError(f"storing the run's publishes failed: {exc}") from exc
         future: asyncio.Future[list[bool]] = asyncio.get_running_loop().create_future()

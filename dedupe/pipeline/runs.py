@@ -11,19 +11,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import asyncpg
 from tenacity import RetryCallState, wait_exponential_jitter
 
 from dedupe.app import App, Handler
 from dedupe.claims.batching import Batcher
-from dedupe.claims.database import TRANSIENT_ERRORS
+from dedupe.claims.completion import Completion, complete_in_transaction
 from dedupe.claims.leases import Lease, Leases
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.claims.values import encode_result
 from dedupe.claims.verdicts import Ours
 from dedupe.context import Context, Database
 from dedupe.effects import outbox
-from dedupe.effects.outbox import Outgoing
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import DedupeError, InvalidPayload, LeaseLost, Reject, Retry, StoreError
 from dedupe.message import Message
@@ -265,14 +263,15 @@ class Runner:
                 return Pending(ticket, fence, result, committed)
             if db is not None and db.started:
                 outgoing = effects.outgoing if effects is not None else []
-                if not await self._complete_in(db, fence, result, handler.retention_s, outgoing):
+                completion = Completion(fence, result, handler.retention_s, outgoing)
+                if not await complete_in_transaction(self.store, db, completion):
                     self.stats.fenced += 1
                     raise LeaseLost()
                 if outgoing and self._on_published is not None:
                     self._on_published()
             elif effects is not None and effects.outgoing:
                 queued = self._publishing.submit_nowait(
-                    (fence, result, handler.retention_s, effects.outgoing)
+                    Completion(fence, result, handler.retention_s, effects.outgoing)
                 )
                 return Pending(ticket, fence, result, queued)
             else:
@@ -291,35 +290,6 @@ class Runner:
                 await member.leave()
             if db is not None:
                 await db.close()
-
-    async def _complete_in(
-        self,
-        db: Database,
-        fence: Fence,
-        result: str,
-        retention_s: float,
-        outgoing: Sequence[Outgoing],
-    ) -> bool:
-        """Store the run's publishes and complete inside the handler's transaction, then commit;
-        a COMMIT that fails is the store's failure (the message is requeued), not the
-        handler's: whether it committed is unknown, and the claim settles it (a duplicate, or
-        a take-over after the lease). A fenced completion rolls the publishes back too."""
-        conn = await db.connection()
-        if outgoing:
-            try:
-                await outbox.add(conn, outgoing, retention_s=retention_s)
-            except (asyncpg.PostgresError, *TRANSIENT_ERRORS) as exc:
-                raise StoreError(f"storing the run's publishes failed: {describe(exc)}") from exc
-        done = await self.store.complete([(fence, result, retention_s)], conn=conn)
-        if not done:
-            return False
-        try:
-            await db.commit()
-        except asyncpg.IntegrityConstraintViolationError:
-            raise  # a deferred constraint the handler's writes broke: the handler's error
-        except Exception as exc:
-            raise StoreError(f"the commit failed: {describe(exc)}") from exc
-        return True
 
     async def _count_take_over(self, handler: Handler, lease: Lease) -> None:
         """Count the start of a taken-over key's run; too many starts is a crash loop."""
