@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -30,6 +30,8 @@ from dedupe.errors import StoreError
 from dedupe.pipeline.outcomes import Stats
 
 logger = logging.getLogger("dedupe.pipeline")
+
+T = TypeVar("T")
 
 _BROKEN = (*TRANSIENT_ERRORS, asyncpg.PostgresError)
 SAVEPOINT = "SAVEPOINT dedupe_member"
@@ -52,36 +54,25 @@ class LaneDatabase(Database):
         self.tainted = False
 
     async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
-        try:
-            return await super().execute(query, *args, timeout=timeout)
-        except BaseException:  # refused, timed out or cancelled: the transaction is suspect
-            self.tainted = True
-            raise
+        return await self._watched(super().execute(query, *args, timeout=timeout))
 
     async def executemany(self, query: str, args: Any, *, timeout: float | None = None) -> None:
-        try:
-            await super().executemany(query, args, timeout=timeout)
-        except BaseException:  # refused, timed out or cancelled: the transaction is suspect
-            self.tainted = True
-            raise
+        await self._watched(super().executemany(query, args, timeout=timeout))
 
     async def fetch(self, query: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        try:
-            return await super().fetch(query, *args, timeout=timeout)
-        except BaseException:  # refused, timed out or cancelled: the transaction is suspect
-            self.tainted = True
-            raise
+        return await self._watched(super().fetch(query, *args, timeout=timeout))
 
     async def fetchrow(self, query: str, *args: Any, timeout: float | None = None) -> Any:
-        try:
-            return await super().fetchrow(query, *args, timeout=timeout)
-        except BaseException:  # refused, timed out or cancelled: the transaction is suspect
-            self.tainted = True
-            raise
+        return await self._watched(super().fetchrow(query, *args, timeout=timeout))
 
     async def fetchval(self, query: str, *args: Any, timeout: float | None = None) -> Any:
+        return await self._watched(super().fetchval(query, *args, timeout=timeout))
+
+    async def _watched(self, statement: Awaitable[T]) -> T:
+        """Await a ctx.db statement; one that does not return leaves the group's transaction
+        suspect (tainted)."""
         try:
-            return await super().fetchval(query, *args, timeout=timeout)
+            return await statement
         except BaseException:  # refused, timed out or cancelled: the transaction is suspect
             self.tainted = True
             raise
