@@ -253,7 +253,8 @@ class KeyedRun:
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
                 if self.db.started or completion.outbox:
-                    # Closed once it commits: a background task after the answer gets no tx.
+                    # ctx.db ends here, committed or rolled back: a background task of the
+                    # endpoint's after the answer gets no transaction.
                     completed = await complete_in_transaction(self.store, self.db, completion)
                 else:
                     outcome = (self.fence, completion.result, self.retention_s)
