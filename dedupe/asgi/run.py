@@ -13,11 +13,12 @@ from typing import Any
 
 from dedupe.asgi.replies import ASGIMessage, Problem, Send, StoredResponse, in_flight, unavailable
 from dedupe.asgi.state import Idempotency
+from dedupe.claims.completion import Completion, complete_in_transaction
+from dedupe.claims.leases import HeldLeases
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.context import Database
 from dedupe.effects import outbox
 from dedupe.effects.run_effects import RunEffects
-from dedupe.errors import StoreError
 
 logger = logging.getLogger("dedupe.asgi")
 
@@ -41,44 +42,25 @@ class Held:
     """A key whose endpoint is running here."""
 
     fence: Fence
+    lease_s: float
     task: asyncio.Task[None] | None = None
     lost: bool = False
     completing: bool = False
 
 
-class HttpLeases:
+class HttpLeases(HeldLeases[Held]):
     """The keys this process runs, extended together every lease_s / 3 in one statement."""
 
+    log = logger  # a failed heartbeat is the middleware's to tell (docs/http-api.md)
+
     def __init__(self, store: ClaimStore, lease_s: float) -> None:
-        self.store = store
+        super().__init__(store)
         self.lease_s = lease_s
-        self._held: dict[tuple[str, str], Held] = {}
 
     def hold(self, fence: Fence) -> Held:
-        held = Held(fence)
+        held = Held(fence, self.lease_s)
         self._held[(fence.scope, fence.key)] = held
         return held
-
-    def forget(self, held: Held) -> None:
-        ident = (held.fence.scope, held.fence.key)
-        if self._held.get(ident) is held:
-            del self._held[ident]
-
-    async def beat(self) -> None:
-        """Extend every lease held; an endpoint whose key was taken over is cancelled."""
-        held = [h for h in self._held.values() if not h.completing]
-        if not held:
-            return
-        try:
-            ours = await self.store.heartbeat([(h.fence, self.lease_s) for h in held])
-        except StoreError as exc:
-            logger.warning("heartbeat failed (leases may lapse): %s", exc)
-            return
-        for h in held:
-            if (h.fence.scope, h.fence.key) not in ours and not h.completing:
-                h.lost = True
-                if h.task is not None:
-                    h.task.cancel()
 
     async def beat_every(self) -> None:
         """beat() until cancelled."""
@@ -267,19 +249,16 @@ class KeyedRun:
         False (our own answer sent) when the key is no longer ours or the database failed."""
         assert self._held is not None
         self._held.completing = True
-        outcome = [(self.fence, stored.to_result(), self.retention_s)]
+        completion = Completion(self.fence, stored.to_result(), self.retention_s, self._outgoing())
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
-                outgoing = self._outgoing()
-                if self.db.started or outgoing:
-                    conn = await self.db.connection()
-                    completed = await self.store.complete(outcome, conn=conn)
-                    if completed:
-                        await outbox.add(conn, outgoing, retention_s=self.retention_s)
-                        await self.db.commit()
-                        await self.db.close()  # a background task after the answer: no tx
+                if self.db.started or completion.outbox:
+                    # ctx.db ends here, committed or rolled back: a background task of the
+                    # endpoint's after the answer gets no transaction.
+                    completed = await complete_in_transaction(self.store, self.db, completion)
                 else:
-                    completed = await self.store.complete(outcome)
+                    outcome = (self.fence, completion.result, self.retention_s)
+                    completed = bool(await self.store.complete([outcome]))
         except Exception as exc:
             # StoreError, a driver error at COMMIT, our timeout: whether the commit happened
             # is unknown. A give-back finds a completed key and leaves it be (the retry gets

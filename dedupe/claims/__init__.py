@@ -4,6 +4,14 @@ fenced completion. It knows nothing of brokers, handlers or HTTP."""
 
 from __future__ import annotations
 
+from dedupe.claims.completion import (
+    Completion,
+    HandlerTransaction,
+    OutboxRow,
+    add_to_outbox,
+    complete_in,
+    complete_in_transaction,
+)
 from dedupe.claims.records import Claim, ClaimRequest, Fence, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import (
@@ -21,12 +29,18 @@ __all__ = [
     "ClaimRequest",
     "ClaimStore",
     "Claims",
+    "Completion",
     "Conflict",
     "Duplicate",
     "Fence",
+    "HandlerTransaction",
     "InFlight",
     "Ours",
+    "OutboxRow",
     "Reason",
     "Unavailable",
     "Unclaimable",
+    "add_to_outbox",
+    "complete_in",
+    "complete_in_transaction",
 ]

@@ -1,12 +1,13 @@
 """The claims a worker holds, from the claim to the outcome: heartbeated while they wait for a
-runner and while they run, cancelled when taken over, given back at a graceful stop."""
+runner and while they run, cancelled when taken over, given back at a graceful stop. The
+heartbeat (HeldLeases) is the HTTP middleware's too."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.claims.verdicts import Ours
@@ -38,12 +39,59 @@ class Lease:
         return (self.fence.scope, self.fence.key)
 
 
-class Leases:
-    """Every claim this worker holds, by (scope, key)."""
+class HeldClaim(Protocol):
+    """A claim held while its run goes on, as the heartbeat reads and marks it."""
+
+    lost: bool
+
+    @property
+    def fence(self) -> Fence: ...
+    @property
+    def lease_s(self) -> float: ...
+    @property
+    def completing(self) -> bool: ...
+    @property
+    def task(self) -> asyncio.Task[Any] | None: ...
+
+
+H = TypeVar("H", bound=HeldClaim)
+
+
+class HeldLeases(Generic[H]):
+    """The claims a process holds, by (scope, key), their leases extended together: a worker's
+    (Leases) and the HTTP middleware's (dedupe.asgi.run.HttpLeases)."""
+
+    log: ClassVar[logging.Logger] = logger  # where a failed heartbeat is told
 
     def __init__(self, store: ClaimStore) -> None:
         self.store = store
-        self._held: dict[tuple[str, str], Lease] = {}
+        self._held: dict[tuple[str, str], H] = {}
+
+    def forget(self, held: H) -> None:
+        ident = (held.fence.scope, held.fence.key)
+        if self._held.get(ident) is held:
+            del self._held[ident]
+
+    async def beat(self) -> None:
+        """Extend every lease held; a run whose key another worker took is cancelled."""
+        held = [h for h in self._held.values() if not h.completing]
+        if not held:
+            return
+        try:
+            ours = await self.store.heartbeat([(h.fence, h.lease_s) for h in held])
+        except StoreError as exc:
+            self.log.warning("heartbeat failed (leases may lapse): %s", exc)
+            return
+        for h in held:
+            ident = (h.fence.scope, h.fence.key)
+            if ident not in ours and not h.completing and self._held.get(ident) is h:
+                h.lost = True
+                if h.task is not None:
+                    h.task.cancel()
+
+
+class Leases(HeldLeases[Lease]):
+    """Every claim this worker holds, by (scope, key)."""
 
     def hold(self, ours: Ours, *, lease_s: float) -> Lease:
         """Record a claim of ours, from now until its outcome.
@@ -71,10 +119,6 @@ class Leases:
             lease = self.hold(ours, lease_s=lease_s)
         lease.task = task
         return lease
-
-    def forget(self, lease: Lease) -> None:
-        if self._held.get(lease.ident) is lease:
-            del self._held[lease.ident]
 
     async def release(self, lease: Lease) -> None:
         """Give back at once a held claim that will not run."""
@@ -110,25 +154,5 @@ class Leases:
                 lease.stopping = True
                 lease.task.cancel()
 
-    async def beat(self) -> None:
-        """Extend every lease held; a run whose key another worker took is cancelled."""
-        leases = [lease for lease in self._held.values() if not lease.completing]
-        if not leases:
-            return
-        try:
-            ours = await self.store.heartbeat([(lease.fence, lease.lease_s) for lease in leases])
-        except StoreError as exc:
-            logger.warning("heartbeat failed (leases may lapse): %s", exc)
-            return
-        for lease in leases:
-            if (
-                lease.ident not in ours
-                and not lease.completing
-                and self._held.get(lease.ident) is lease
-            ):
-                lease.lost = True
-                if lease.task is not None:
-                    lease.task.cancel()
 
-
-__all__ = ["Lease", "Leases"]
+__all__ = ["HeldClaim", "HeldLeases", "Lease", "Leases"]

@@ -1,9 +1,9 @@
 """The transactional outbox: a run's publishes stored with its writes, relayed with confirms.
 
-`ctx.publish` (dedupe.effects.run_effects) adds rows in the run's completion transaction: the one
-of its
-ctx.db writes, or, for a run that wrote nothing else, one shared with the batch's other such
-completions (PublishingCompletions); a zombie's or a rolled-back run's rows never commit.
+`ctx.publish` (dedupe.effects.run_effects) collects a run's rows; its fenced completion
+(dedupe.claims.completion) stores them in the transaction of its ctx.db writes or, for a run that
+wrote nothing else, in one shared with the batch's other such completions
+(PublishingCompletions); a zombie's or a rolled-back run's rows never commit.
 Every worker's `Relay` takes committed rows, whole producers (a run's scope and key) at a time
 and in order, publishes each with the broker's confirm, and marks them sent in the same
 transaction that locked them: a relay that dies before it commits leaves them to the next (at
@@ -23,8 +23,9 @@ from typing import Any, Self
 import asyncpg
 
 from dedupe.claims.batching import Batcher
+from dedupe.claims.completion import Completion, complete_in
 from dedupe.claims.database import TRANSIENT_ERRORS
-from dedupe.claims.store import ClaimStore, Fence
+from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import storable_text
 from dedupe.errors import StoreError
 from dedupe.sql import queries
@@ -43,25 +44,6 @@ class Outgoing:
     body: bytes
     headers: dict[str, str]
     content_type: str | None
-
-
-async def add(conn: asyncpg.Connection, rows: Sequence[Outgoing], *, retention_s: float) -> None:
-    """Store a run's publishes in its transaction (`conn`), in call order."""
-    if not rows:
-        return
-    await conn.execute(
-        queries("outbox.sql")["add"],
-        [r.producer for r in rows],
-        [r.channel for r in rows],
-        [r.message_id for r in rows],
-        [r.body for r in rows],
-        [json.dumps(r.headers) for r in rows],
-        [r.content_type for r in rows],
-        float(retention_s),
-    )
-
-
-Completion = tuple[Fence, str, float, Sequence[Outgoing]]  # fence, result, retention, rows
 
 
 class PublishingCompletions:
@@ -83,25 +65,17 @@ class PublishingCompletions:
         return self._batcher.submit_nowait(completion)
 
     async def _flush(self, items: Sequence[Completion]) -> list[bool]:
-        stored = False
         try:
             async with self.store.pool.acquire() as conn, conn.transaction():
-                done = await self.store.complete([(f, r, t) for f, r, t, _ in items], conn=conn)
-                # One statement per retention (a handler's option: usually one in all).
-                by_retention: dict[float, list[Outgoing]] = {}
-                for fence, _, retention_s, rows in items:
-                    if (fence.scope, fence.key) in done:
-                        by_retention.setdefault(retention_s, []).extend(rows)
-                for retention_s, rows in by_retention.items():
-                    await add(conn, rows, retention_s=retention_s)
-                    stored = stored or bool(rows)
+                done = await complete_in(self.store, conn, items)
         except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
             raise StoreError(
                 f"completing runs with their publishes failed: {exc.__class__.__name__}: {exc}"
             ) from exc
-        if stored:
+        completed = [(c.fence.scope, c.fence.key) in done for c in items]
+        if any(c.outbox and ok for c, ok in zip(items, completed, strict=True)):
             self._on_committed()
-        return [(fence.scope, fence.key) in done for fence, _, _, _ in items]
+        return completed
 
 
 @dataclass
@@ -317,7 +291,6 @@ __all__ = [
     "PublishingCompletions",
     "Relay",
     "RelayStats",
-    "add",
     "backlog",
     "backlog_by_channel",
     "gc",

@@ -11,6 +11,7 @@ from typing import Any
 
 import asyncpg
 
+from dedupe.claims.completion import add_to_outbox
 from dedupe.claims.conflicts import RUN_AS_HEADER, RUN_AS_SCOPE_HEADER
 from dedupe.claims.store import TRANSIENT_ERRORS, ClaimStore
 from dedupe.claims.values import check_claimable
@@ -134,7 +135,7 @@ class ClaimAdmin:
                             "one; have the producer send it again under a new key"
                         )
                     copy = _run_as_copy(row, scope, key, run_as)
-                    await outbox.add(conn, [copy], retention_s=SETTLED_COPY_RETENTION_S)
+                    await add_to_outbox(conn, [copy], retention_s=SETTLED_COPY_RETENTION_S)
                     how, message_id = f"run as {run_as}", copy.message_id
                     detail = f"the second payload ({row['fingerprint']}) runs as key {run_as}"
                 await conn.execute(self._q["settle_conflict"], row["id"], how)

@@ -16,21 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
+from dedupe.claims.completion import Completion, OutboxRow, add_to_outbox, complete_in
 from dedupe.claims.database import TRANSIENT_ERRORS
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.context import Database
-from dedupe.effects import outbox
-from dedupe.effects.outbox import Outgoing
 from dedupe.errors import StoreError
 from dedupe.pipeline.outcomes import Stats
 
 logger = logging.getLogger("dedupe.pipeline")
+
+T = TypeVar("T")
 
 _BROKEN = (*TRANSIENT_ERRORS, asyncpg.PostgresError)
 SAVEPOINT = "SAVEPOINT dedupe_member"
@@ -53,36 +54,25 @@ class LaneDatabase(Database):
         self.tainted = False
 
     async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
-        try:
-            return await super().execute(query, *args, timeout=timeout)
-        except BaseException:  # refused, timed out or cancelled: the transaction is suspect
-            self.tainted = True
-            raise
+        return await self._watched(super().execute(query, *args, timeout=timeout))
 
     async def executemany(self, query: str, args: Any, *, timeout: float | None = None) -> None:
-        try:
-            await super().executemany(query, args, timeout=timeout)
-        except BaseException:  # refused, timed out or cancelled: the transaction is suspect
-            self.tainted = True
-            raise
+        await self._watched(super().executemany(query, args, timeout=timeout))
 
     async def fetch(self, query: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        try:
-            return await super().fetch(query, *args, timeout=timeout)
-        except BaseException:  # refused, timed out or cancelled: the transaction is suspect
-            self.tainted = True
-            raise
+        return await self._watched(super().fetch(query, *args, timeout=timeout))
 
     async def fetchrow(self, query: str, *args: Any, timeout: float | None = None) -> Any:
-        try:
-            return await super().fetchrow(query, *args, timeout=timeout)
-        except BaseException:  # refused, timed out or cancelled: the transaction is suspect
-            self.tainted = True
-            raise
+        return await self._watched(super().fetchrow(query, *args, timeout=timeout))
 
     async def fetchval(self, query: str, *args: Any, timeout: float | None = None) -> Any:
+        return await self._watched(super().fetchval(query, *args, timeout=timeout))
+
+    async def _watched(self, statement: Awaitable[T]) -> T:
+        """Await a ctx.db statement; one that does not return leaves the group's transaction
+        suspect (tainted)."""
         try:
-            return await super().fetchval(query, *args, timeout=timeout)
+            return await statement
         except BaseException:  # refused, timed out or cancelled: the transaction is suspect
             self.tainted = True
             raise
@@ -244,8 +234,9 @@ class Lane:
         group, self._group = self._group, []
         assert conn is not None
         try:
-            completed = await self.store.complete(
-                [(d.fence, d.result, d.retention_s) for d in group], conn=conn
+            # The members' publishes are in the transaction already (Member.complete).
+            completed = await complete_in(
+                self.store, conn, [Completion(d.fence, d.result, d.retention_s) for d in group]
             )
             fenced = [d for d in group if (d.fence.scope, d.fence.key) not in completed]
             await conn.execute("ROLLBACK" if fenced else "COMMIT")
@@ -327,7 +318,7 @@ class Member:
         fence: Fence,
         result: str,
         retention_s: float,
-        outgoing: Sequence[Outgoing],
+        outgoing: Sequence[OutboxRow],
         *,
         attempt: int,
         lease_s: float,
@@ -339,7 +330,7 @@ class Member:
             raise StoreError(TAINTED)
         if outgoing:
             try:
-                await outbox.add(await self.db.connection(), outgoing, retention_s=retention_s)
+                await add_to_outbox(await self.db.connection(), outgoing, retention_s=retention_s)
             except _BROKEN as exc:
                 raise StoreError(f"storing the run's publishes failed: {exc}") from exc
         future: asyncio.Future[list[bool]] = asyncio.get_running_loop().create_future()

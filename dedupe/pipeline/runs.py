@@ -8,15 +8,15 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
 from tenacity import RetryCallState, wait_exponential_jitter
 
 from dedupe.app import App, Handler
 from dedupe.claims.batching import Batcher
-from dedupe.claims.database import TRANSIENT_ERRORS
+from dedupe.claims.completion import Completion, complete_in_transaction
 from dedupe.claims.leases import Lease, Leases
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.claims.values import encode_result
@@ -48,6 +48,20 @@ logger = logging.getLogger("dedupe.pipeline")
 
 class _CrashLoop(DedupeError):
     """The key was taken over from dead workers more than max_attempts times."""
+
+
+@dataclass(eq=False, slots=True)
+class _Writes:
+    """What an attempt writes through: ctx.db (its own transaction, or its group's lane), the
+    group member it runs as, and its publishes and steps."""
+
+    db: Database | None  # None: the handler takes no ctx
+    member: Member | None = None
+    effects: RunEffects | None = None
+
+    @property
+    def outgoing(self) -> list[Outgoing]:
+        return self.effects.outgoing if self.effects is not None else []
 
 
 class Runner:
@@ -196,11 +210,10 @@ class Runner:
 
         A run that wrote nothing through ctx.db queues its completion for the next batched
         statement and returns it pending; the batch's concluder finishes it after the commit.
+        The handler is awaited in this frame (see _attempts).
         """
-        handler, message, fence = ticket.handler, ticket.message, lease.fence
-        db = Database(self.store.pool) if handler.takes_context else None
-        member: Member | None = None
-        effects: RunEffects | None = None
+        handler = ticket.handler
+        writes = _Writes(Database(self.store.pool) if handler.takes_context else None)
         # The first run after a take-over (not counted yet) runs alone.
         isolate = self._isolation if lease.taken_over and not lease.counted else None
         try:
@@ -213,26 +226,13 @@ class Runner:
                         await self._count_take_over(handler, lease)
                         lease.counted = True
                     if self.hooks.any("claimed"):
-                        await self.hooks("claimed", message, fence)
-                    if db is None:
-                        call = handler.fn(payload)
-                    else:
-                        # A taken-over key's first run (alone) keeps out of the groups: if it is
-                        # what kills workers, it takes no other run's writes down with it.
-                        if handler.group_commit and isolate is None:
-                            member = await self.lanes.join()
-                            db = member.db
-                        effects = RunEffects(db, fence, cancel=functools.partial(_lose, lease))
-                        ctx = Context(
-                            key=fence.key,
-                            scope=fence.scope,
-                            attempt=lease.attempt,
-                            message=message,
-                            db=db,
-                            logger=_log(handler, message, lease),
-                            effects=effects,
-                        )
-                        call = handler.fn(payload, ctx)
+                        await self.hooks("claimed", ticket.message, lease.fence)
+                    # A taken-over key's first run (alone) keeps out of the groups: if it is
+                    # what kills workers, it takes no other run's writes down with it.
+                    if writes.db is not None and handler.group_commit and isolate is None:
+                        writes.member = await self.lanes.join()
+                        writes.db = writes.member.db
+                    call = self._call(ticket, payload, lease, writes)
                     began, ok = time.perf_counter(), False
                     try:
                         if handler.timeout_s is not None:
@@ -250,76 +250,71 @@ class Runner:
                 raise LeaseLost()
             result = encode_result(value)
             if self.hooks.any("handled"):
-                await self.hooks("handled", message, fence)
+                await self.hooks("handled", ticket.message, lease.fence)
             lease.completing = True
-            if member is not None:
-                outgoing = effects.outgoing if effects is not None else []
-                committed = await member.complete(
-                    fence,
-                    result,
-                    handler.retention_s,
-                    outgoing,
-                    attempt=lease.attempt,
-                    lease_s=handler.lease_s,
-                )
-                return Pending(ticket, fence, result, committed)
-            if db is not None and db.started:
-                outgoing = effects.outgoing if effects is not None else []
-                if not await self._complete_in(db, fence, result, handler.retention_s, outgoing):
-                    self.stats.fenced += 1
-                    raise LeaseLost()
-                if outgoing and self._on_published is not None:
-                    self._on_published()
-            elif effects is not None and effects.outgoing:
-                queued = self._publishing.submit_nowait(
-                    (fence, result, handler.retention_s, effects.outgoing)
-                )
-                return Pending(ticket, fence, result, queued)
-            else:
-                queued = self._completer.submit_nowait((fence, result, handler.retention_s))
-                return Pending(ticket, fence, result, queued)
-            if self.hooks.any("completed"):
-                await self.hooks("completed", message, fence)
-            return result
+            return await self._complete(ticket, lease, writes, result)
         except BaseException:
             lease.completing = False  # the next attempt may be cancelled again
             raise
         finally:
             # A run that completed stays `completing`: a heartbeat that read the leases before
             # the completion committed must not take the finished run for a lost one.
-            if member is not None:
-                await member.leave()
-            if db is not None:
-                await db.close()
+            if writes.member is not None:
+                await writes.member.leave()
+            if writes.db is not None:
+                await writes.db.close()
 
-    async def _complete_in(
-        self,
-        db: Database,
-        fence: Fence,
-        result: str,
-        retention_s: float,
-        outgoing: Sequence[Outgoing],
-    ) -> bool:
-        """Store the run's publishes and complete inside the handler's transaction, then commit;
-        a COMMIT that fails is the store's failure (the message is requeued), not the
-        handler's: whether it committed is unknown, and the claim settles it (a duplicate, or
-        a take-over after the lease). A fenced completion rolls the publishes back too."""
-        conn = await db.connection()
-        if outgoing:
-            try:
-                await outbox.add(conn, outgoing, retention_s=retention_s)
-            except (asyncpg.PostgresError, *TRANSIENT_ERRORS) as exc:
-                raise StoreError(f"storing the run's publishes failed: {describe(exc)}") from exc
-        done = await self.store.complete([(fence, result, retention_s)], conn=conn)
-        if not done:
-            return False
-        try:
-            await db.commit()
-        except asyncpg.IntegrityConstraintViolationError:
-            raise  # a deferred constraint the handler's writes broke: the handler's error
-        except Exception as exc:
-            raise StoreError(f"the commit failed: {describe(exc)}") from exc
-        return True
+    def _call(self, ticket: Ticket, payload: Any, lease: Lease, writes: _Writes) -> Awaitable[Any]:
+        """The handler's call, not awaited yet; a handler that takes a ctx gets it here, with
+        the attempt's ctx.db and effects."""
+        handler, message, fence = ticket.handler, ticket.message, lease.fence
+        if writes.db is None:
+            return handler.fn(payload)
+        writes.effects = RunEffects(writes.db, fence, cancel=functools.partial(_lose, lease))
+        ctx = Context(
+            key=fence.key,
+            scope=fence.scope,
+            attempt=lease.attempt,
+            message=message,
+            db=writes.db,
+            logger=_log(handler, message, lease),
+            effects=writes.effects,
+        )
+        return handler.fn(payload, ctx)
+
+    async def _complete(
+        self, ticket: Ticket, lease: Lease, writes: _Writes, result: str
+    ) -> str | Pending:
+        """Complete a run that returned: with its group, in its own transaction (ctx.db), or
+        queued for a shared statement (pending, with or without its publishes)."""
+        handler, fence = ticket.handler, lease.fence
+        outgoing = writes.outgoing
+        if writes.member is not None:
+            committed = await writes.member.complete(
+                fence,
+                result,
+                handler.retention_s,
+                outgoing,
+                attempt=lease.attempt,
+                lease_s=handler.lease_s,
+            )
+            return Pending(ticket, fence, result, committed)
+        if writes.db is not None and writes.db.started:
+            completion = Completion(fence, result, handler.retention_s, outgoing)
+            if not await complete_in_transaction(self.store, writes.db, completion):
+                self.stats.fenced += 1
+                raise LeaseLost()
+            if outgoing and self._on_published is not None:
+                self._on_published()
+        elif outgoing:
+            completion = Completion(fence, result, handler.retention_s, outgoing)
+            return Pending(ticket, fence, result, self._publishing.submit_nowait(completion))
+        else:
+            queued = self._completer.submit_nowait((fence, result, handler.retention_s))
+            return Pending(ticket, fence, result, queued)
+        if self.hooks.any("completed"):
+            await self.hooks("completed", ticket.message, fence)
+        return result
 
     async def _count_take_over(self, handler: Handler, lease: Lease) -> None:
         """Count the start of a taken-over key's run; too many starts is a crash loop."""

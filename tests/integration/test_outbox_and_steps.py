@@ -200,15 +200,16 @@ async def test_a_producer_stuck_on_a_refused_row_neither_stalls_the_others_nor_s
     producers after it are relayed all the same, and the relay does not spin on it (before,
     every round took the stuck producer's later rows again, sent nothing and went straight on
     to the next round)."""
-    from dedupe.effects.outbox import Outgoing, Relay, add
+    from dedupe.claims.completion import add_to_outbox
+    from dedupe.effects.outbox import Outgoing, Relay
 
     def row(producer: str, channel: str, i: int) -> Outgoing:
         return Outgoing(producer, channel, f"{producer}/{i}", b"{}", {}, None)
 
     async with store.pool.acquire() as conn, conn.transaction():
-        await add(conn, [row("stuck", "refused", 0)], retention_s=60)
-        await add(conn, [row("stuck", "emails", i) for i in range(1, 40)], retention_s=60)
-        await add(conn, [row(f"p{i}", "emails", 0) for i in range(5)], retention_s=60)
+        await add_to_outbox(conn, [row("stuck", "refused", 0)], retention_s=60)
+        await add_to_outbox(conn, [row("stuck", "emails", i) for i in range(1, 40)], retention_s=60)
+        await add_to_outbox(conn, [row(f"p{i}", "emails", 0) for i in range(5)], retention_s=60)
     publisher = RefusingChannel("refused")
     async with Relay(store.pool, publisher, batch=8, interval_s=0.05) as relay:
         relay.wake()
@@ -229,10 +230,11 @@ async def test_a_relay_stopped_right_after_a_commit_relays_what_was_committed(
 ) -> None:
     """Stopping, the relay still runs a round: rows committed before the stop go out (a worker
     that drains and stops leaves nothing for the next start)."""
-    from dedupe.effects.outbox import Outgoing, Relay, add
+    from dedupe.claims.completion import add_to_outbox
+    from dedupe.effects.outbox import Outgoing, Relay
 
     async with store.pool.acquire() as conn, conn.transaction():
-        await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
+        await add_to_outbox(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
     publisher = Recording()
     async with Relay(store.pool, publisher, interval_s=30) as relay:
         relay.wake()
@@ -261,17 +263,20 @@ async def test_a_stop_during_a_round_still_runs_a_round_after_it(
 ) -> None:
     """Rows committed while a round is under way, before the stop, go out at the stop: the
     round that was under way is not the last (before, the relay returned after it)."""
-    from dedupe.effects.outbox import Outgoing, Relay, add
+    from dedupe.claims.completion import add_to_outbox
+    from dedupe.effects.outbox import Outgoing, Relay
 
     async with store.pool.acquire() as conn, conn.transaction():
-        await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
+        await add_to_outbox(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
     publisher = Holding()
     relay = Relay(store.pool, publisher, interval_s=30)
     async with relay:
         relay.wake()
         await asyncio.wait_for(publisher.started.wait(), 5)
         async with store.pool.acquire() as conn, conn.transaction():
-            await add(conn, [Outgoing("q", "emails", "q/0", b"{}", {}, None)], retention_s=60)
+            await add_to_outbox(
+                conn, [Outgoing("q", "emails", "q/0", b"{}", {}, None)], retention_s=60
+            )
         stopping = asyncio.create_task(relay.__aexit__(None, None, None))
         await asyncio.sleep(0.1)
         publisher.release.set()
@@ -294,10 +299,11 @@ class CancellingConfirms(Recording):
 async def test_a_publish_cancelled_by_its_client_is_a_refusal_not_the_end_of_the_relay(
     store: ClaimStore, orders: asyncpg.Connection
 ) -> None:
-    from dedupe.effects.outbox import Outgoing, Relay, add
+    from dedupe.claims.completion import add_to_outbox
+    from dedupe.effects.outbox import Outgoing, Relay
 
     async with store.pool.acquire() as conn, conn.transaction():
-        await add(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
+        await add_to_outbox(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
     publisher = CancellingConfirms(fail=1)
     async with Relay(store.pool, publisher, interval_s=0.05) as relay:
         relay.wake()
@@ -389,10 +395,11 @@ async def test_a_second_relay_takes_the_next_producers_and_no_lock_beyond_its_ba
     """Two relays at once on one backlog: the second takes the producers after the first's
     (before, both tried the same first candidates, and the second took nothing and waited
     for its next wake), and each holds the advisory locks of the producers it took only."""
-    from dedupe.effects.outbox import Outgoing, add
+    from dedupe.claims.completion import add_to_outbox
+    from dedupe.effects.outbox import Outgoing
 
     async with store.pool.acquire() as conn, conn.transaction():
-        await add(
+        await add_to_outbox(
             conn,
             [Outgoing(f"p{i}", "emails", f"p{i}/0", b"{}", {}, None) for i in range(20)],
             retention_s=60,
@@ -466,15 +473,18 @@ async def test_a_producer_waiting_out_a_refusal_is_not_locked_by_a_round(
 ) -> None:
     """The advisory locks are tried on the producers that can go only: one whose first row
     waits out a backoff, with later rows in the window, is neither taken nor locked."""
-    from dedupe.effects.outbox import Outgoing, add
+    from dedupe.claims.completion import add_to_outbox
+    from dedupe.effects.outbox import Outgoing
 
     async with store.pool.acquire() as conn, conn.transaction():
-        await add(
+        await add_to_outbox(
             conn,
             [Outgoing("waiting", "emails", f"w/{i}", b"{}", {}, None) for i in range(3)],
             retention_s=60,
         )
-        await add(conn, [Outgoing("ready", "emails", "r/0", b"{}", {}, None)], retention_s=60)
+        await add_to_outbox(
+            conn, [Outgoing("ready", "emails", "r/0", b"{}", {}, None)], retention_s=60
+        )
     await orders.execute(
         "UPDATE dedupe_outbox SET next_try_at = now() + interval '1 hour' WHERE message_id = 'w/0'"
     )

@@ -1,0 +1,141 @@
+"""The fenced completion: a run's result and retention recorded under its token, with its outbox
+rows, in the transaction that holds its writes; a claim the fence refuses stores nothing.
+
+Every completion in a run's own transaction goes through `complete_in`: the runner's (ctx.db),
+the HTTP middleware's (the endpoint's db), a group commit's (one lane's transaction for all its
+members) and the batch of runs whose only writes are publishes. The claims are updated first and
+the outbox rows stored after, only for the claims that completed: in a batch of independent runs
+a fenced one's rows must never be stored while the others commit, and where the transaction
+holds one run's writes the order commits the same (a fenced run's transaction rolls back whole).
+A group commit stores a member's rows in the member's savepoint as it finishes (a failed insert
+is that member's failure, not the group's) and completes the group with rows already stored.
+Durable steps are not part of it: each is recorded in its own statement as its function returns.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, Protocol
+
+import asyncpg
+
+from dedupe.claims.database import TRANSIENT_ERRORS
+from dedupe.claims.records import Fence
+from dedupe.claims.store import ClaimStore
+from dedupe.claims.values import storable_text
+from dedupe.errors import StoreError
+from dedupe.sql import queries
+
+
+class OutboxRow(Protocol):
+    """One message a run publishes, as the outbox stores it (dedupe.effects.outbox.Outgoing)."""
+
+    @property
+    def producer(self) -> str: ...
+    @property
+    def channel(self) -> str: ...
+    @property
+    def message_id(self) -> str: ...
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+    @property
+    def content_type(self) -> str | None: ...
+
+
+class Completion(NamedTuple):
+    """A run's outcome to record: its claim's fence, its encoded result, how long the claim is
+    kept, and the rows it publishes."""
+
+    fence: Fence
+    result: str  # JSON, made storable (dedupe.claims.values.encode_result)
+    retention_s: float
+    outbox: Sequence[OutboxRow] = ()
+
+
+class HandlerTransaction(Protocol):
+    """The transaction of a run's writes (dedupe.context.Database: ctx.db)."""
+
+    async def connection(self) -> asyncpg.Connection: ...
+    async def commit(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+async def add_to_outbox(
+    conn: asyncpg.Connection, rows: Sequence[OutboxRow], *, retention_s: float
+) -> None:
+    """Store publishes in `conn`'s transaction, in call order (driver errors as raised)."""
+    if not rows:
+        return
+    await conn.execute(
+        queries("outbox.sql")["add"],
+        [r.producer for r in rows],
+        [r.channel for r in rows],
+        [r.message_id for r in rows],
+        [r.body for r in rows],
+        [json.dumps(r.headers) for r in rows],
+        [r.content_type for r in rows],
+        float(retention_s),
+    )
+
+
+async def complete_in(
+    store: ClaimStore, conn: asyncpg.Connection, completions: Sequence[Completion]
+) -> set[tuple[str, str]]:
+    """Complete the claims fenced by their tokens in `conn`'s transaction, then store the outbox
+    rows of those that completed; return the (scope, key) pairs completed."""
+    done = await store.complete(
+        [(c.fence, c.result, c.retention_s) for c in completions], conn=conn
+    )
+    # One statement per retention (a handler's option: usually one in all).
+    by_retention: dict[float, list[OutboxRow]] = {}
+    for c in completions:
+        if c.outbox and (c.fence.scope, c.fence.key) in done:
+            by_retention.setdefault(c.retention_s, []).extend(c.outbox)
+    try:
+        for retention_s, rows in by_retention.items():
+            await add_to_outbox(conn, rows, retention_s=retention_s)
+    except (asyncpg.PostgresError, *TRANSIENT_ERRORS) as exc:
+        raise StoreError(f"storing the run's publishes failed: {_described(exc)}") from exc
+    return done
+
+
+async def complete_in_transaction(
+    store: ClaimStore, tx: HandlerTransaction, completion: Completion
+) -> bool:
+    """Complete one run in its own transaction and commit it; False when the fence refused it.
+    The transaction is over when this returns or raises: committed, or rolled back whole.
+
+    A COMMIT that fails is the store's failure (StoreError): whether it committed is unknown,
+    and the claim settles it (a duplicate, or a take-over after the lease). A deferred
+    constraint the run's writes broke is raised as PostgreSQL said it: the run's own error.
+    """
+    try:
+        if not await complete_in(store, await tx.connection(), [completion]):
+            return False
+        try:
+            await tx.commit()
+        except asyncpg.IntegrityConstraintViolationError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"the commit failed: {_described(exc)}") from exc
+        return True
+    finally:
+        await tx.close()  # rolls back what did not commit; a later use of ctx.db raises
+
+
+def _described(exc: BaseException) -> str:
+    text = storable_text(str(exc), 300)
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+
+
+__all__ = [
+    "Completion",
+    "HandlerTransaction",
+    "OutboxRow",
+    "add_to_outbox",
+    "complete_in",
+    "complete_in_transaction",
+]
