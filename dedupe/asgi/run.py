@@ -59,7 +59,7 @@ class HttpLeases(HeldLeases[Held]):
 
     def hold(self, fence: Fence) -> Held:
         held = Held(fence, self.lease_s)
-        self._held[(fence.scope, fence.key)] = held
+        self._held[fence.ident] = held
         return held
 
     async def beat_every(self) -> None:

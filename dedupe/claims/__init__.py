@@ -12,7 +12,7 @@ from dedupe.claims.completion import (
     complete_in,
     complete_in_transaction,
 )
-from dedupe.claims.records import Claim, ClaimRequest, Fence, Reason
+from dedupe.claims.records import Claim, ClaimRequest, Fence, KeyId, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import (
     Claims,
@@ -35,6 +35,7 @@ __all__ = [
     "Fence",
     "HandlerTransaction",
     "InFlight",
+    "KeyId",
     "Ours",
     "OutboxRow",
     "Reason",

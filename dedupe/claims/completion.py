@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import asyncpg
 
 from dedupe.claims.database import TRANSIENT_ERRORS
-from dedupe.claims.records import Fence
+from dedupe.claims.records import Fence, KeyId
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import storable_text
 from dedupe.errors import StoreError
@@ -83,7 +83,7 @@ async def add_to_outbox(
 
 async def complete_in(
     store: ClaimStore, conn: asyncpg.Connection, completions: Sequence[Completion]
-) -> set[tuple[str, str]]:
+) -> set[KeyId]:
     """Complete the claims fenced by their tokens in `conn`'s transaction, then store the outbox
     rows of those that completed; return the (scope, key) pairs completed."""
     done = await store.complete(
@@ -92,7 +92,7 @@ async def complete_in(
     # One statement per retention (a handler's option: usually one in all).
     by_retention: dict[float, list[OutboxRow]] = {}
     for c in completions:
-        if c.outbox and (c.fence.scope, c.fence.key) in done:
+        if c.outbox and c.fence.ident in done:
             by_retention.setdefault(c.retention_s, []).extend(c.outbox)
     try:
         for retention_s, rows in by_retention.items():

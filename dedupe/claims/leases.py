@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from dedupe.claims.records import KeyId
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.claims.verdicts import Ours
 from dedupe.errors import StoreError
@@ -35,8 +36,8 @@ class Lease:
     started: bool = False  # holds a concurrency slot: the handler is about to run or runs
 
     @property
-    def ident(self) -> tuple[str, str]:
-        return (self.fence.scope, self.fence.key)
+    def ident(self) -> KeyId:
+        return self.fence.ident
 
 
 class HeldClaim(Protocol):
@@ -65,10 +66,10 @@ class HeldLeases(Generic[H]):
 
     def __init__(self, store: ClaimStore) -> None:
         self.store = store
-        self._held: dict[tuple[str, str], H] = {}
+        self._held: dict[KeyId, H] = {}
 
     def forget(self, held: H) -> None:
-        ident = (held.fence.scope, held.fence.key)
+        ident = held.fence.ident
         if self._held.get(ident) is held:
             del self._held[ident]
 
@@ -83,7 +84,7 @@ class HeldLeases(Generic[H]):
             self.log.warning("heartbeat failed (leases may lapse): %s", exc)
             return
         for h in held:
-            ident = (h.fence.scope, h.fence.key)
+            ident = h.fence.ident
             if ident not in ours and not h.completing and self._held.get(ident) is h:
                 h.lost = True
                 if h.task is not None:
@@ -114,7 +115,7 @@ class Leases(HeldLeases[Lease]):
 
     def take(self, ours: Ours, *, lease_s: float, task: asyncio.Task[Any]) -> Lease:
         """The held claim a runner starts on (held now if it was claimed after its batch)."""
-        lease = self._held.get((ours.fence.scope, ours.fence.key))
+        lease = self._held.get(ours.fence.ident)
         if lease is None or lease.fence != ours.fence or lease.task is not None:
             lease = self.hold(ours, lease_s=lease_s)
         lease.task = task

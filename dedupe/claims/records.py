@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Reason(enum.StrEnum):
@@ -28,6 +29,14 @@ class Reason(enum.StrEnum):
     REJECTED = "rejected"
     HANDLER_ERROR = "handler_error"
     NO_HANDLER = "no_handler"
+
+
+class KeyId(NamedTuple):
+    """A key's identity: the scope it is claimed in and the key (the claims table's primary
+    key). Equal to the plain tuple `(scope, key)`."""
+
+    scope: str
+    key: str
 
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see above
@@ -44,6 +53,10 @@ class ClaimRequest:
     raw_hash: bytes | None = None
     # The body, kept with a new claim (keep_payload), so a conflict can show what differs.
     payload: bytes | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def ident(self) -> KeyId:
+        return KeyId(self.scope, self.key)
 
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see above
@@ -74,6 +87,10 @@ class Claim:
     def owned(self) -> bool:
         return self.token is not None
 
+    @property
+    def ident(self) -> KeyId:
+        return KeyId(self.scope, self.key)
+
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see above
 class Fence:
@@ -83,5 +100,9 @@ class Fence:
     key: str
     token: int
 
+    @property
+    def ident(self) -> KeyId:
+        return KeyId(self.scope, self.key)
 
-__all__ = ["Claim", "ClaimRequest", "Fence", "Reason"]
+
+__all__ = ["Claim", "ClaimRequest", "Fence", "KeyId", "Reason"]

@@ -29,7 +29,7 @@ from dedupe.claims.database import (
     redact,
     said,
 )
-from dedupe.claims.records import Claim, ClaimRequest, Fence, Reason
+from dedupe.claims.records import Claim, ClaimRequest, Fence, KeyId, Reason
 from dedupe.claims.values import dropped_result, storable_text
 from dedupe.errors import StoreError
 from dedupe.sql import queries
@@ -139,12 +139,12 @@ class ClaimStore:
             )
 
         rows, refused = await self._each(requests, send)
-        by_key = {(row["scope"], row["key"]): _claim_of(row) for row in rows}
+        by_key = {KeyId(row["scope"], row["key"]): _claim_of(row) for row in rows}
         for request, why in refused:
-            by_key[(request.scope, request.key)] = Claim(
+            by_key[request.ident] = Claim(
                 scope=request.scope, key=request.key, token=None, attempts=0, refused=why
             )
-        return [by_key[(r.scope, r.key)] for r in requests]
+        return [by_key[r.ident] for r in requests]
 
     async def warm_up(self, connections: int, *, timeout_s: float = 5.0) -> None:
         """Open up to `connections` pooled connections (never more than the pool holds) and
@@ -174,7 +174,7 @@ class ClaimStore:
         except Exception as exc:  # never fails the start: the first claims connect instead
             logger.warning("warming up the claims pool failed (%r); going on without", exc)
 
-    async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[tuple[str, str]]:
+    async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[KeyId]:
         """Extend leases; return the (scope, key) pairs that are still ours.
 
         A lease whose values PostgreSQL refuses counts as ours (its fence still guards the
@@ -195,8 +195,8 @@ class ClaimStore:
         rows, refused = await self._each(leases, send)
         for (fence, _), why in refused:
             logger.warning("heartbeat of %s/%s refused: %s", fence.scope, fence.key, why)
-        return {(row["scope"], row["key"]) for row in rows} | {
-            (fence.scope, fence.key) for (fence, _), _ in refused
+        return {KeyId(row["scope"], row["key"]) for row in rows} | {
+            fence.ident for (fence, _), _ in refused
         }
 
     async def complete(
@@ -204,7 +204,7 @@ class ClaimStore:
         outcomes: Sequence[tuple[Fence, str, float]],
         *,
         conn: asyncpg.Connection | None = None,
-    ) -> set[tuple[str, str]]:
+    ) -> set[KeyId]:
         """Record (fence, result_json, retention_s) outcomes; return the keys completed.
 
         On its own connection, a result PostgreSQL refuses is stored as a marker saying why
@@ -241,7 +241,7 @@ class ClaimStore:
                 marker = dropped_result(f"PostgreSQL refused the result: {why}")
                 with contextlib.suppress(ValueRefused):
                     rows += await send([(fence, marker, retention_s)])
-        return {(row["scope"], row["key"]) for row in rows}
+        return {KeyId(row["scope"], row["key"]) for row in rows}
 
     async def record_attempt(
         self, fence: Fence, *, attempt: int, error: str | None, lease_s: float

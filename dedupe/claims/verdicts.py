@@ -15,7 +15,7 @@ from dedupe.claims.batching import Batcher
 from dedupe.claims.conflicts import RUN_AS_HEADER, RUN_AS_SCOPE_HEADER
 from dedupe.claims.fingerprints import RAW, Fingerprint, claim_request
 from dedupe.claims.keys import KeyFunc, derive_key
-from dedupe.claims.records import Claim, ClaimRequest, Fence, Reason
+from dedupe.claims.records import Claim, ClaimRequest, Fence, KeyId, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import check_claimable
 from dedupe.errors import InvalidKey, InvalidPayload, KeyMissing, StoreError
@@ -233,11 +233,11 @@ class Claims:
         claims: list[Claim | None] = [None] * len(requests)
         todo = list(range(len(requests)))
         while todo:
-            seen: set[tuple[str, str]] = set()
+            seen: set[KeyId] = set()
             now: list[int] = []
             later: list[int] = []
             for i in todo:
-                ident = (requests[i].scope, requests[i].key)
+                ident = requests[i].ident
                 (later if ident in seen else now).append(i)
                 seen.add(ident)
             got = await self.store.claim_batch(

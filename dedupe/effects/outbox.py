@@ -72,7 +72,7 @@ class PublishingCompletions:
             raise StoreError(
                 f"completing runs with their publishes failed: {exc.__class__.__name__}: {exc}"
             ) from exc
-        completed = [(c.fence.scope, c.fence.key) in done for c in items]
+        completed = [c.fence.ident in done for c in items]
         if any(c.outbox and ok for c, ok in zip(items, completed, strict=True)):
             self._on_committed()
         return completed

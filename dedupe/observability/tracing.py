@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Any
 
+from dedupe.claims.records import KeyId
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import StoreError
 from dedupe.message import Message
@@ -128,9 +129,9 @@ class Tracing(FlushingObserver):
                 rows = await self.store.pool.fetch(
                     self._q["trace_ids"], [d[0] for d in duplicates], [d[1] for d in duplicates]
                 )
-                origins = {(r["scope"], r["key"]): r["trace_id"] for r in rows}
+                origins = {KeyId(r["scope"], r["key"]): r["trace_id"] for r in rows}
                 for scope, key, span in duplicates:
-                    origin = origins.get((scope, key))
+                    origin = origins.get(KeyId(scope, key))
                     if origin:
                         span.set_attribute("dedupe.original_trace_id", origin)
         except Exception as exc:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dedupe.claims.conflicts import CLAIMED_FINGERPRINT_HEADER, DIFF_HEADER, FINGERPRINT_HEADER
+from dedupe.claims.records import KeyId
 from dedupe.message import Headers
 from dedupe.transport import (
     BODY_DROPPED_HEADER,
@@ -46,12 +47,12 @@ FAILED_CLAIM_REASONS = frozenset(
 )
 
 
-def claim_to_release(headers: Mapping[str, str]) -> tuple[str, str] | None:
+def claim_to_release(headers: Mapping[str, str]) -> KeyId | None:
     """The (scope, key) of the failed claim a replayed dead letter may release, if any."""
     scope, key = headers.get(SCOPE_HEADER), headers.get(KEY_HEADER)
     if not scope or not key or headers.get(REASON_HEADER) not in FAILED_CLAIM_REASONS:
         return None
-    return scope, key
+    return KeyId(scope, key)
 
 
 def describe(headers: Mapping[str, Any], *, message_id: str | None) -> dict[str, Any]:
@@ -78,7 +79,7 @@ class ReplayStep:
 
     row: dict[str, Any]  # message_id, reason, scope, key: what `dlq replay` reports
     headers: dict[str, Any] = field(default_factory=dict)  # the copy's: the sender's alone
-    release: tuple[str, str] | None = None  # the failed claim released before the copy
+    release: KeyId | None = None  # the failed claim released before the copy
     skipped: str | None = None  # why it cannot run again (then nothing is done)
 
     async def carry_out(

@@ -238,7 +238,7 @@ class Lane:
             completed = await complete_in(
                 self.store, conn, [Completion(d.fence, d.result, d.retention_s) for d in group]
             )
-            fenced = [d for d in group if (d.fence.scope, d.fence.key) not in completed]
+            fenced = [d for d in group if d.fence.ident not in completed]
             await conn.execute("ROLLBACK" if fenced else "COMMIT")
         except BaseException as exc:
             error = StoreError(f"the group's COMMIT failed: {exc.__class__.__name__}: {exc}")

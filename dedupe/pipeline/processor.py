@@ -22,6 +22,7 @@ from typing import Any
 
 from dedupe.app import App, Handler
 from dedupe.claims.leases import Lease, Leases
+from dedupe.claims.records import KeyId
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import (
     Claims,
@@ -237,7 +238,7 @@ class Processor:
         """
         planned: list[_Planned | None] = [None] * len(messages)
         tickets: list[tuple[int, Ticket]] = []
-        first_of: dict[tuple[str, str], int] = {}
+        first_of: dict[KeyId, int] = {}
         repeats: list[tuple[int, int, Ticket]] = []
         for i, message in enumerate(messages):
             request = request_for(
@@ -251,7 +252,7 @@ class Processor:
                 planned[i] = _Planned(_ready(dead_letter(request.reason, request.detail)))
                 continue
             ticket = Ticket(handler, message, request, started)
-            ident = (request.scope, request.key)
+            ident = request.ident
             if ident in first_of:
                 repeats.append((i, first_of[ident], ticket))
                 continue

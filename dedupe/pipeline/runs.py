@@ -336,7 +336,7 @@ class Runner:
 
     async def _complete_batch(self, items: Sequence[tuple[Fence, str, float]]) -> list[bool]:
         done = await self.store.complete(items)
-        return [(fence.scope, fence.key) in done for fence, _, _ in items]
+        return [fence.ident in done for fence, _, _ in items]
 
     async def _give_up(
         self, handler: Handler, fence: Fence, reason: Reason, detail: str

@@ -22,6 +22,7 @@ import asyncpg
 
 from dedupe.app import App
 from dedupe.claims.database import connect_pool
+from dedupe.claims.records import KeyId
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.pipeline.outcomes import Stats
 from dedupe.pipeline.processor import Processor
@@ -59,7 +60,7 @@ class _Store(ClaimStore):
         self.awake = asyncio.Event()
         self.awake.set()
 
-    async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[tuple[str, str]]:
+    async def heartbeat(self, leases: Sequence[tuple[Fence, float]]) -> set[KeyId]:
         await self.awake.wait()
         return await super().heartbeat(leases)
 

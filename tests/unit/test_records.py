@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dedupe.claims.records import Claim, ClaimRequest, Fence
+from dedupe.claims.records import Claim, ClaimRequest, Fence, KeyId
 from dedupe.claims.verdicts import Duplicate, Ours
 from dedupe.message import Headers
 
@@ -30,3 +30,14 @@ def test_the_records_compare_and_hash_by_value_as_frozen_ones_did() -> None:
     assert {Duplicate("completed", None): 1}[Duplicate("completed", None)] == 1
     claim = Claim("s", "k", 7, 1)
     assert claim.owned and not Claim("s", "k", None, 1).owned
+
+
+def test_a_key_has_one_identity_in_every_record_that_names_it() -> None:
+    """ClaimRequest, Claim and Fence of one key answer the same KeyId, equal (and hashed) as
+    the plain (scope, key) tuple the store's rows give."""
+    request = ClaimRequest("shop.charge", "k-1", b"h")
+    claim = Claim(scope="shop.charge", key="k-1", token=7, attempts=1)
+    fence = Fence("shop.charge", "k-1", 7)
+    assert request.ident == claim.ident == fence.ident == KeyId("shop.charge", "k-1")
+    assert {fence.ident} == {("shop.charge", "k-1")}
+    assert fence.ident.scope == "shop.charge" and fence.ident.key == "k-1"
