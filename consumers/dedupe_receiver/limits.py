@@ -205,7 +205,6 @@ __all__ = [
     "MIN_BODY_LIMIT_BYTES",
     "SOURCE_HEADER",
     "TENANT_HEADER",
-    "WEBHOOK_KEY_HEADER",
     "BadContentLength",
     "BodyTooLarge",
     "forwarded_headers",
