@@ -53,7 +53,8 @@ from dedupe_receiver.probes import readiness
 from dedupe_receiver.replies import ProblemOnError, http_problem, problem, unavailable
 from dedupe_receiver.status_page import StatusPage
 
-logger = logging.getLogger(__name__)
+# The one logger of the receiver's request lines, as in dedupe_receiver.intake and .replies.
+logger = logging.getLogger("dedupe_receiver")
 
 # Longest wait for one claims-table statement in a request (claim, store the reply, release).
 DEFAULT_STORE_TIMEOUT_S = 3.0

@@ -37,7 +37,7 @@ from dedupe_receiver.replies import Reply, accepted, in_flight, problem, unavail
 
 # Every line the receiver logs comes from one logger, whichever module writes it: operators
 # and the tests select the receiver's lines by this name.
-logger = logging.getLogger("consumers.receiver")
+logger = logging.getLogger("dedupe_receiver")
 
 
 def log_fields(source: WebhookSource, identity: Identity | None, outcome: str) -> dict[str, str]:

@@ -18,7 +18,7 @@ from dedupe.webhooks import Identity, WebhookSource
 
 # Every line the receiver logs comes from one logger, whichever module writes it: operators
 # and the tests select the receiver's lines by this name.
-logger = logging.getLogger("consumers.receiver")
+logger = logging.getLogger("dedupe_receiver")
 
 PROBLEM_JSON = "application/problem+json"
 REPLAYED_HEADER = "Idempotent-Replayed"

@@ -345,7 +345,7 @@ async def test_request_log_lines_carry_scope_key_message_id_and_outcome(
     """Accepted, replayed, conflicting, failed and unauthenticated requests are logged with
     the structured fields dedupe.observability.logs prints (and a 401 with what it knows: the
     source)."""
-    caplog.set_level(logging.DEBUG, logger="dedupe_receiver.application")
+    caplog.set_level(logging.DEBUG, logger="dedupe_receiver")
     receiver = create_receiver(hooks, store=store, publisher=publisher)
     async with http(receiver) as client:
         for body in (b'{"n":1}', b'{"n":1}', b'{"n":2}'):
@@ -355,11 +355,7 @@ async def test_request_log_lines_carry_scope_key_message_id_and_outcome(
         await client.post(
             "/webhooks/orders", content=b"{}", headers=orders_request("o-3", api_key="nope")
         )
-    lines = [
-        r
-        for r in caplog.records
-        if r.name == "dedupe_receiver.application" and hasattr(r, "outcome")
-    ]
+    lines = [r for r in caplog.records if r.name == "dedupe_receiver" and hasattr(r, "outcome")]
     fields = [
         (r.outcome, getattr(r, "scope", None), getattr(r, "key", None), r.source)  # type: ignore[attr-defined]
         for r in lines
