@@ -4,8 +4,25 @@ with confirms, and the operator client; registered as `amqp://` and `amqps://`."
 
 from __future__ import annotations
 
-from dedupe_rabbitmq.admin import RabbitMQAdmin
+from dedupe_rabbitmq.admin import (
+    RabbitMQAdmin,
+    delete_channels,
+    peek_dead_letters,
+    publish,
+    replay_dead_letters,
+)
 from dedupe_rabbitmq.publisher import RabbitMQPublisher
+from dedupe_rabbitmq.topology import declare_channel, delay_name
 from dedupe_rabbitmq.transport import RabbitMQTransport
 
-__all__ = ["RabbitMQAdmin", "RabbitMQPublisher", "RabbitMQTransport"]
+__all__ = [
+    "RabbitMQAdmin",
+    "RabbitMQPublisher",
+    "RabbitMQTransport",
+    "declare_channel",
+    "delay_name",
+    "delete_channels",
+    "peek_dead_letters",
+    "publish",
+    "replay_dead_letters",
+]

@@ -16,7 +16,8 @@ import asyncpg
 from dedupe.app import STAGES, App, Hook
 from dedupe.message import Message
 from dedupe.testing.databases import ClaimRow, Schema, create_database, drop_database, read_claims
-from dedupe.testing.memory import MemoryBroker, Sent, Settled
+from dedupe.testing.deliveries import Sent, Settled
+from dedupe.testing.memory import MemoryBroker
 from dedupe.testing.stages import STAGE_WORDS, Point, Run, Stage, Stall
 from dedupe.testing.workers import SimulatedWorker, WorkerDied, current_worker
 
@@ -391,4 +392,4 @@ class TestRun:
         return claim.result
 
 
-__all__ = ["ClaimRow", "TestRun", "current_run"]
+__all__ = ["TestRun", "current_run"]

@@ -15,7 +15,7 @@ from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError
 from dedupe.message import Headers
 from dedupe.webhooks import env, github
-from dedupe_kafka.transport import KafkaPublisher
+from dedupe_kafka.publisher import KafkaPublisher
 from dedupe_receiver.application import create_receiver
 from dedupe_receiver.limits import (
     MAX_FORWARDED_HEADER_BYTES,
