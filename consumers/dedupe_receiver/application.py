@@ -38,15 +38,17 @@ from dedupe.observability.activity import Activity
 from dedupe.observability.metrics import Metrics
 from dedupe.transport import Publisher
 from dedupe.webhooks import Identity, VerificationFailed, WebhookSource
+from dedupe_receiver.forwarding import (
+    MAX_FORWARDED_HEADER_BYTES,
+    forwarded_headers,
+    header_list_bytes,
+)
 from dedupe_receiver.intake import Intake, log_fields
 from dedupe_receiver.limits import (
-    MAX_FORWARDED_HEADER_BYTES,
     BadContentLength,
     BodyTooLarge,
     body_limit,
     fitted_message_limit,
-    forwarded_headers,
-    header_list_bytes,
     read_body,
 )
 from dedupe_receiver.probes import readiness

@@ -17,12 +17,12 @@ from dedupe.message import Headers
 from dedupe.webhooks import env, github
 from dedupe_kafka.publisher import KafkaPublisher
 from dedupe_receiver.application import create_receiver
-from dedupe_receiver.limits import (
+from dedupe_receiver.forwarding import (
     MAX_FORWARDED_HEADER_BYTES,
-    body_limit,
     forwarded_headers,
     header_list_bytes,
 )
+from dedupe_receiver.limits import body_limit
 from tests.integration.test_receiver import (  # noqa: F401 - fixtures
     API_KEY_A,
     CountingPublisher,
