@@ -28,7 +28,7 @@ from dedupe.context import Database
 from dedupe.effects import outbox
 from dedupe.effects.outbox import Outgoing
 from dedupe.errors import StoreError
-from dedupe.pipeline.outcomes import Stats
+from dedupe.pipeline.stats import Stats
 
 logger = logging.getLogger("dedupe.pipeline")
 
