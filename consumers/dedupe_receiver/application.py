@@ -31,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 from dedupe.app import App
+from dedupe.asgi.problems import unavailable
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError, KeyMissing
 from dedupe.message import Headers
@@ -52,7 +53,7 @@ from dedupe_receiver.limits import (
     read_body,
 )
 from dedupe_receiver.probes import readiness
-from dedupe_receiver.replies import ProblemOnError, http_problem, problem, unavailable
+from dedupe_receiver.replies import ProblemOnError, http_problem, problem, respond
 from dedupe_receiver.status_page import StatusPage
 
 # The one logger of the receiver's request lines, as in dedupe_receiver.intake and .replies.
@@ -257,7 +258,9 @@ class Receiver:
     ) -> Response:
         store, publisher = self.store, self.publisher
         if store is None or publisher is None:
-            return unavailable("not-started", "the receiver has not started (lifespan)")
+            return respond(
+                unavailable("the receiver has not started (lifespan)", slug="not-started")
+            )
         intake = Intake(
             store=store,
             publisher=publisher,
