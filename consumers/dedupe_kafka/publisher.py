@@ -71,8 +71,9 @@ def encode_headers(headers: Mapping[str, Any]) -> list[tuple[str, bytes]]:
     ]
 
 
-def idempotent_producer(options: KafkaOptions) -> AIOKafkaProducer:
-    return AIOKafkaProducer(
+async def idempotent_producer(options: KafkaOptions) -> AIOKafkaProducer:
+    """The idempotent acks=all producer, started (and stopped again if it could not start)."""
+    producer = AIOKafkaProducer(
         bootstrap_servers=options.bootstrap_servers,
         client_id=options.client_id,
         enable_idempotence=True,
@@ -80,6 +81,12 @@ def idempotent_producer(options: KafkaOptions) -> AIOKafkaProducer:
         linger_ms=1,
         max_request_size=options.max_request_size,
     )
+    try:
+        await producer.start()
+    except BaseException:
+        await producer.stop()
+        raise
+    return producer
 
 
 class KafkaPublisher:
@@ -108,13 +115,7 @@ class KafkaPublisher:
     async def start(self) -> None:
         async with self._lock:
             if self._producer is None:
-                producer = idempotent_producer(self.options)
-                try:
-                    await producer.start()
-                except BaseException:
-                    await producer.stop()
-                    raise
-                self._producer = producer
+                self._producer = await idempotent_producer(self.options)
 
     async def publish(
         self,

@@ -123,13 +123,7 @@ class KafkaTransport(Transport):
     async def connect(self) -> None:
         """Start the idempotent producer that writes dead letters (checks the broker too)."""
         if self._producer is None:
-            producer = idempotent_producer(self.options)
-            try:
-                await producer.start()
-            except BaseException:
-                await producer.stop()
-                raise
-            self._producer = producer
+            self._producer = await idempotent_producer(self.options)
 
     async def close(self) -> None:
         consumer, self._consumer = self._consumer, None
