@@ -39,14 +39,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-try:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
-    from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-    from aiokafka.structs import ConsumerRecord, TopicPartition
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
-    ) from exc
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from dedupe.settings import Settings
 from dedupe.transport import Process, Transport, dlq_name

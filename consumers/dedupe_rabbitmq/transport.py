@@ -14,18 +14,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-try:
-    import aio_pika
-    from aio_pika.abc import (
-        AbstractChannel,
-        AbstractIncomingMessage,
-        AbstractQueue,
-        AbstractRobustConnection,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
-    ) from exc
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
 
 from dedupe.message import Headers, Message
 from dedupe.transport import (

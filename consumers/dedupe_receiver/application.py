@@ -18,17 +18,12 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable
 
-try:
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.middleware import Middleware
-    from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import PlainTextResponse, Response
-    from starlette.routing import BaseRoute, Route
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the webhook receiver needs starlette and uvicorn: pip install 'dedupe-worker[receiver]'"
-    ) from exc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
 
 from dedupe.app import App
 from dedupe.asgi.problems import unavailable
