@@ -72,13 +72,13 @@ def body(i: int) -> bytes:
 
 
 async def rabbit_publish(queue: str, ids: list[str]) -> None:
-    from dedupe_rabbitmq.transport import publish
+    from dedupe_rabbitmq.admin import publish
 
     await publish(AMQP_URL, queue, [(body(i), {}, mid) for i, mid in enumerate(ids)])
 
 
 async def rabbit_delete(queues: list[str]) -> None:
-    from dedupe_rabbitmq.transport import delete_channels
+    from dedupe_rabbitmq.admin import delete_channels
 
     with contextlib.suppress(Exception):
         await delete_channels(AMQP_URL, queues)

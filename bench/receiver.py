@@ -213,7 +213,7 @@ async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str) -> Non
     import asyncpg
 
     from dedupe.testing.databases import drop_forced
-    from dedupe_rabbitmq.transport import delete_channels
+    from dedupe_rabbitmq.admin import delete_channels
 
     admin = await asyncpg.connect(admin_url)
     try:

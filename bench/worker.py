@@ -55,11 +55,11 @@ async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
         # The relay's publisher (outbox) or the handler's own (direct): the same confirming
         # publisher the worker gets from its transport plugin.
         if args.broker.startswith("kafka://"):
-            from dedupe_kafka.transport import KafkaPublisher
+            from dedupe_kafka.publisher import KafkaPublisher
 
             publisher = KafkaPublisher(args.broker)
         else:
-            from dedupe_rabbitmq.transport import RabbitMQPublisher
+            from dedupe_rabbitmq.publisher import RabbitMQPublisher
 
             publisher = RabbitMQPublisher(args.broker)
     app = make_app(args.channel, args.handler, tally, publisher=publisher)

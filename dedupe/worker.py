@@ -28,8 +28,8 @@ from dedupe.errors import ConfigurationError, DedupeError
 from dedupe.observability import tracing
 from dedupe.observability.activity import Activity
 from dedupe.pipeline.observers import Observer
-from dedupe.pipeline.outcomes import Stats
 from dedupe.pipeline.processor import Processor
+from dedupe.pipeline.stats import Stats
 from dedupe.plugins import transport_plugin
 from dedupe.settings import Settings
 from dedupe.transport import Publisher, Transport

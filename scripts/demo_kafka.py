@@ -15,8 +15,8 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from aiokafka.structs import TopicPartition
 
+import dedupe_kafka as kafka
 from dedupe.transport import dlq_name
-from dedupe_kafka import transport as kafka
 from handlers.payments import app
 
 

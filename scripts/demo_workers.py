@@ -35,7 +35,7 @@ class Rabbit:
     async def reset(self) -> None:
         import aio_pika
 
-        from dedupe_rabbitmq.transport import declare_channel
+        from dedupe_rabbitmq.topology import declare_channel
 
         connection = await aio_pika.connect(self.url)
         async with connection:
@@ -46,12 +46,12 @@ class Rabbit:
                     await (await amqp.get_queue(name)).purge()
 
     async def publish(self, messages: list[tuple[bytes, dict[str, Any], str | None]]) -> None:
-        from dedupe_rabbitmq.transport import publish
+        from dedupe_rabbitmq.admin import publish
 
         await publish(self.url, CHANNEL, messages)
 
     async def dead_letters(self) -> Counter[str]:
-        from dedupe_rabbitmq.transport import peek_dead_letters
+        from dedupe_rabbitmq.admin import peek_dead_letters
 
         letters = await peek_dead_letters(self.url, CHANNEL, limit=1000)
         return Counter(str(letter["reason"]) for letter in letters)

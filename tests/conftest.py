@@ -91,7 +91,7 @@ async def delete_channel_everywhere(request: pytest.FixtureRequest, *names: str)
     """Delete these channels' RabbitMQ queues, and their Kafka topics too when the test is a
     Kafka one (by its id or its use of the kafka_url fixture)."""
     import dedupe_kafka as kafka_clients
-    from dedupe_rabbitmq import transport as rabbitmq
+    import dedupe_rabbitmq as rabbitmq
 
     deletions = [rabbitmq.delete_channels(AMQP_URL, list(names))]
     if "kafka" in request.node.nodeid.lower() or "kafka_url" in request.fixturenames:

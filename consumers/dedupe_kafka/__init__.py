@@ -4,6 +4,14 @@ registered as `kafka://`."""
 
 from __future__ import annotations
 
+# Every module of the package imports aiokafka; without it, say which extra to install.
+try:
+    import aiokafka  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
+    ) from exc
+
 from dedupe_kafka.admin import (
     KafkaAdmin,
     backlog,

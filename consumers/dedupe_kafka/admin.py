@@ -12,15 +12,10 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
-try:
-    from aiokafka import AIOKafkaConsumer
-    from aiokafka.admin import AIOKafkaAdminClient
-    from aiokafka.errors import KafkaError
-    from aiokafka.structs import TopicPartition
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
-    ) from exc
+from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition
 
 from dedupe.claims.keys import MESSAGE_ID_HEADER
 from dedupe.message import Headers

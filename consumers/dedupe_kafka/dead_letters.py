@@ -11,19 +11,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-try:
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.errors import (
-        KafkaError,
-        KafkaTimeoutError,
-        MessageSizeTooLargeError,
-        RecordTooLargeError,
-    )
-    from aiokafka.structs import ConsumerRecord
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
-    ) from exc
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import (
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+)
+from aiokafka.structs import ConsumerRecord
 
 from dedupe.claims.keys import MESSAGE_ID_HEADER
 from dedupe.transport import (

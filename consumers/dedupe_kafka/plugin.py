@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-try:
-    from aiokafka.errors import KafkaConnectionError
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
-    ) from exc
+from aiokafka.errors import KafkaConnectionError
 
 from dedupe.plugins import BrokerAdmin, UrlOption
 from dedupe.settings import Settings

@@ -8,14 +8,9 @@ import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
-try:
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-    from aiokafka.errors import TopicAlreadyExistsError
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
-    ) from exc
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
 
 from dedupe.claims.keys import MESSAGE_ID_HEADER
 from dedupe.errors import ConfigurationError
@@ -71,8 +66,9 @@ def encode_headers(headers: Mapping[str, Any]) -> list[tuple[str, bytes]]:
     ]
 
 
-def idempotent_producer(options: KafkaOptions) -> AIOKafkaProducer:
-    return AIOKafkaProducer(
+async def idempotent_producer(options: KafkaOptions) -> AIOKafkaProducer:
+    """The idempotent acks=all producer, started (and stopped again if it could not start)."""
+    producer = AIOKafkaProducer(
         bootstrap_servers=options.bootstrap_servers,
         client_id=options.client_id,
         enable_idempotence=True,
@@ -80,6 +76,12 @@ def idempotent_producer(options: KafkaOptions) -> AIOKafkaProducer:
         linger_ms=1,
         max_request_size=options.max_request_size,
     )
+    try:
+        await producer.start()
+    except BaseException:
+        await producer.stop()
+        raise
+    return producer
 
 
 class KafkaPublisher:
@@ -108,13 +110,7 @@ class KafkaPublisher:
     async def start(self) -> None:
         async with self._lock:
             if self._producer is None:
-                producer = idempotent_producer(self.options)
-                try:
-                    await producer.start()
-                except BaseException:
-                    await producer.stop()
-                    raise
-                self._producer = producer
+                self._producer = await idempotent_producer(self.options)
 
     async def publish(
         self,

@@ -14,19 +14,14 @@ import logging
 import re
 from collections.abc import Callable
 
-try:
-    from aiokafka import AIOKafkaProducer
-    from aiokafka.errors import (
-        InvalidTopicError,
-        KafkaError,
-        MessageSizeTooLargeError,
-        RecordTooLargeError,
-    )
-    from aiokafka.structs import ConsumerRecord
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
-    ) from exc
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import (
+    InvalidTopicError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+)
+from aiokafka.structs import ConsumerRecord
 
 from dedupe.message import Headers
 

@@ -26,8 +26,8 @@ A channel `C` is a topic; its dead letters go to the topic `C.dlq` (both are cre
   is held and tried again with backoff, and its partition commits no further
   (dedupe_kafka.dead_letters).
 
-The options (kafka_options), the producer side (kafka_publisher) and the operators' clients
-(kafka_admin) live beside it; their public names are importable from here too.
+The options (dedupe_kafka.options), the producer side (dedupe_kafka.publisher) and the
+operators' clients (dedupe_kafka.admin) live beside it; the package exports their public names.
 """
 
 from __future__ import annotations
@@ -39,37 +39,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-try:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
-    from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-    from aiokafka.structs import ConsumerRecord, TopicPartition
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the Kafka transport needs aiokafka: pip install 'dedupe-worker[kafka]'"
-    ) from exc
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from dedupe.settings import Settings
 from dedupe.transport import Process, Transport, dlq_name
-
-# The options, publishing and the operators' clients, where callers have always imported them
-# from (`from consumers import kafka; await kafka.publish(...)`).
-from dedupe_kafka.admin import (
-    KafkaAdmin,
-    backlog,
-    delete_channels,
-    peek_dead_letters,
-    replay_dead_letters,
-)
-from dedupe_kafka.dead_letters import ORIGIN_HEADER, DeadLetters
-from dedupe_kafka.options import KafkaOptions, group_id_for, with_options
-from dedupe_kafka.partition import KafkaDelivery, PartitionWork, to_message
-from dedupe_kafka.publisher import (
-    KafkaPublisher,
-    encode_headers,
-    ensure_topics,
-    idempotent_producer,
-    publish,
-)
+from dedupe_kafka.dead_letters import DeadLetters
+from dedupe_kafka.options import KafkaOptions, group_id_for
+from dedupe_kafka.partition import PartitionWork
+from dedupe_kafka.publisher import ensure_topics, idempotent_producer
 from dedupe_kafka.replies import Replies
 
 # The longest aiokafka's background fetch routine sleeps before it looks again for partitions
@@ -139,13 +118,7 @@ class KafkaTransport(Transport):
     async def connect(self) -> None:
         """Start the idempotent producer that writes dead letters (checks the broker too)."""
         if self._producer is None:
-            producer = idempotent_producer(self.options)
-            try:
-                await producer.start()
-            except BaseException:
-                await producer.stop()
-                raise
-            self._producer = producer
+            self._producer = await idempotent_producer(self.options)
 
     async def close(self) -> None:
         consumer, self._consumer = self._consumer, None
@@ -341,21 +314,4 @@ async def _wait_idle(work: Sequence[PartitionWork], timeout_s: float) -> int:
     return len(late)
 
 
-__all__ = [
-    "ORIGIN_HEADER",
-    "KafkaAdmin",
-    "KafkaDelivery",
-    "KafkaOptions",
-    "KafkaPublisher",
-    "KafkaTransport",
-    "backlog",
-    "delete_channels",
-    "encode_headers",
-    "ensure_topics",
-    "group_id_for",
-    "peek_dead_letters",
-    "publish",
-    "replay_dead_letters",
-    "to_message",
-    "with_options",
-]
+__all__ = ["KafkaTransport"]

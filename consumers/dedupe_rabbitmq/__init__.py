@@ -1,11 +1,35 @@
 """The RabbitMQ transport (aio-pika): consume channels, settle deliveries as the core decides,
-publish
-with confirms, and the operator client; registered as `amqp://` and `amqps://`."""
+publish with confirms, and the operator client; registered as `amqp://` and `amqps://`."""
 
 from __future__ import annotations
 
-from dedupe_rabbitmq.admin import RabbitMQAdmin
+# Every module of the package imports aio-pika; without it, say which extra to install.
+try:
+    import aio_pika  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
+    ) from exc
+
+from dedupe_rabbitmq.admin import (
+    RabbitMQAdmin,
+    delete_channels,
+    peek_dead_letters,
+    publish,
+    replay_dead_letters,
+)
 from dedupe_rabbitmq.publisher import RabbitMQPublisher
+from dedupe_rabbitmq.topology import declare_channel, delay_name
 from dedupe_rabbitmq.transport import RabbitMQTransport
 
-__all__ = ["RabbitMQAdmin", "RabbitMQPublisher", "RabbitMQTransport"]
+__all__ = [
+    "RabbitMQAdmin",
+    "RabbitMQPublisher",
+    "RabbitMQTransport",
+    "declare_channel",
+    "delay_name",
+    "delete_channels",
+    "peek_dead_letters",
+    "publish",
+    "replay_dead_letters",
+]

@@ -6,12 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
-try:
-    from aio_pika.abc import AbstractIncomingMessage
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
-    ) from exc
+from aio_pika.abc import AbstractIncomingMessage
 
 logger = logging.getLogger(__name__)
 

@@ -7,13 +7,8 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-try:
-    import aio_pika
-    from aio_pika.abc import AbstractIncomingMessage
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
-    ) from exc
+import aio_pika
+from aio_pika.abc import AbstractIncomingMessage
 
 from dedupe.operations.replay import Release, ReplayPolicy, describe
 from dedupe.transport import dlq_name

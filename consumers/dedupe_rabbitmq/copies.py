@@ -13,17 +13,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-try:
-    import aio_pika
-    from aio_pika.abc import (
-        AbstractChannel,
-        AbstractIncomingMessage,
-        AbstractRobustConnection,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
-    ) from exc
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractRobustConnection,
+)
 
 from dedupe_rabbitmq.topology import declare_channel
 

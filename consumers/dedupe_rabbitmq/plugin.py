@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-try:
-    from aiormq.exceptions import AMQPConnectionError
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
-    ) from exc
+from aiormq.exceptions import AMQPConnectionError
 
 from dedupe.plugins import BrokerAdmin, UrlOption
 from dedupe.settings import Settings

@@ -7,17 +7,12 @@ import contextlib
 import time
 from collections.abc import Mapping
 
-try:
-    import aio_pika
-    from aio_pika.abc import (
-        AbstractChannel,
-        AbstractConnection,
-        AbstractQueue,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
-    ) from exc
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractQueue,
+)
 
 from dedupe.claims.store import redact
 from dedupe.errors import DedupeError

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-try:
-    import aio_pika
-    from aio_pika.abc import (
-        AbstractChannel,
-        AbstractIncomingMessage,
-        AbstractQueue,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
-    ) from exc
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+)
 
 from dedupe.transport import dlq_name
 

@@ -3,7 +3,7 @@
 A robust connection, manual acks (in runs, dedupe_rabbitmq.acks) only after the outcome is
 recorded; dead letters and deferrals are copies to the channel's queues
 (dedupe_rabbitmq.topology) sent with confirms (dedupe_rabbitmq.copies). The operators'
-functions and the receiver's publisher live in rabbitmq_admin and rabbitmq_publisher.
+functions and the receiver's publisher live in dedupe_rabbitmq.admin and .publisher.
 """
 
 from __future__ import annotations
@@ -14,18 +14,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-try:
-    import aio_pika
-    from aio_pika.abc import (
-        AbstractChannel,
-        AbstractIncomingMessage,
-        AbstractQueue,
-        AbstractRobustConnection,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"
-    ) from exc
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
 
 from dedupe.message import Headers, Message
 from dedupe.transport import (
@@ -38,18 +33,7 @@ from dedupe.transport import (
     dlq_name,
 )
 from dedupe_rabbitmq.acks import Acks
-
-# The operators' functions and the receiver's publisher, where callers have always imported
-# them from (`from consumers import rabbitmq; await rabbitmq.publish(...)`).
-from dedupe_rabbitmq.admin import (
-    RabbitMQAdmin,
-    delete_channels,
-    peek_dead_letters,
-    publish,
-    replay_dead_letters,
-)
 from dedupe_rabbitmq.copies import Copies
-from dedupe_rabbitmq.publisher import RabbitMQPublisher
 from dedupe_rabbitmq.topology import DEFERRALS_HEADER, copy_of, declare_channel, delay_name
 
 logger = logging.getLogger(__name__)
@@ -325,17 +309,4 @@ class RabbitMQTransport(Transport):
             await incoming.ack()
 
 
-__all__ = [
-    "DEFERRALS_HEADER",
-    "RabbitDelivery",
-    "RabbitMQAdmin",
-    "RabbitMQPublisher",
-    "RabbitMQTransport",
-    "copy_of",
-    "declare_channel",
-    "delay_name",
-    "delete_channels",
-    "peek_dead_letters",
-    "publish",
-    "replay_dead_letters",
-]
+__all__ = ["RabbitDelivery", "RabbitMQTransport"]

@@ -18,20 +18,15 @@ import os
 import socket
 from collections.abc import AsyncIterator, Callable
 
-try:
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.middleware import Middleware
-    from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import PlainTextResponse, Response
-    from starlette.routing import BaseRoute, Route
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the webhook receiver needs starlette and uvicorn: pip install 'dedupe-worker[receiver]'"
-    ) from exc
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
 
-# An `X as X` import re-exports a name that callers have always imported from this module.
 from dedupe.app import App
+from dedupe.asgi.problems import unavailable
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError, KeyMissing
 from dedupe.message import Headers
@@ -39,34 +34,25 @@ from dedupe.observability.activity import Activity
 from dedupe.observability.metrics import Metrics
 from dedupe.transport import Publisher
 from dedupe.webhooks import Identity, VerificationFailed, WebhookSource
+from dedupe_receiver.forwarding import (
+    MAX_FORWARDED_HEADER_BYTES,
+    forwarded_headers,
+    header_list_bytes,
+)
 from dedupe_receiver.intake import Intake, log_fields
-from dedupe_receiver.limits import MAX_FORWARDED_HEADER_BYTES as MAX_FORWARDED_HEADER_BYTES
-from dedupe_receiver.limits import MESSAGE_OVERHEAD_BYTES as MESSAGE_OVERHEAD_BYTES
-from dedupe_receiver.limits import MIN_BODY_LIMIT_BYTES as MIN_BODY_LIMIT_BYTES
-from dedupe_receiver.limits import SOURCE_HEADER as SOURCE_HEADER
-from dedupe_receiver.limits import TENANT_HEADER as TENANT_HEADER
-from dedupe_receiver.limits import WEBHOOK_KEY_HEADER as WEBHOOK_KEY_HEADER
 from dedupe_receiver.limits import (
     BadContentLength,
     BodyTooLarge,
     body_limit,
     fitted_message_limit,
-    forwarded_headers,
+    read_body,
 )
-from dedupe_receiver.limits import header_list_bytes as header_list_bytes
-from dedupe_receiver.limits import message_limit as message_limit
-from dedupe_receiver.limits import read_body as read_body
 from dedupe_receiver.probes import readiness
-from dedupe_receiver.replies import ACCEPTED as ACCEPTED
-from dedupe_receiver.replies import IN_FLIGHT_RETRY_AFTER_S as IN_FLIGHT_RETRY_AFTER_S
-from dedupe_receiver.replies import PROBLEM_JSON as PROBLEM_JSON
-from dedupe_receiver.replies import REPLAYED_HEADER as REPLAYED_HEADER
-from dedupe_receiver.replies import UNAVAILABLE_RETRY_AFTER_S as UNAVAILABLE_RETRY_AFTER_S
-from dedupe_receiver.replies import ProblemOnError, Reply, http_problem, problem, unavailable
-from dedupe_receiver.replies import accepted as accepted
+from dedupe_receiver.replies import ProblemOnError, http_problem, problem, respond
 from dedupe_receiver.status_page import StatusPage
 
-logger = logging.getLogger(__name__)
+# The one logger of the receiver's request lines, as in dedupe_receiver.intake and .replies.
+logger = logging.getLogger("dedupe_receiver")
 
 # Longest wait for one claims-table statement in a request (claim, store the reply, release).
 DEFAULT_STORE_TIMEOUT_S = 3.0
@@ -121,10 +107,6 @@ class Receiver:
         limit = fitted_message_limit(self.app.webhooks.values(), publisher)
         if limit is not None:
             self.message_limit = limit
-
-    def body_limit(self, source: WebhookSource) -> int:
-        """The largest body taken for `source` (see receiver_limits.body_limit)."""
-        return body_limit(source, self.message_limit)
 
     # -- lifespan ----------------------------------------------------------------------
 
@@ -206,7 +188,7 @@ class Receiver:
                 f"send one of: {', '.join(source.content_types)} "
                 "(a Content-Type of at most 255 visible ASCII characters)",
             )
-        limit = self.body_limit(source)
+        limit = body_limit(source, self.message_limit)
         try:
             body = await read_body(request, limit)
         except BodyTooLarge as exc:
@@ -271,7 +253,9 @@ class Receiver:
     ) -> Response:
         store, publisher = self.store, self.publisher
         if store is None or publisher is None:
-            return unavailable("not-started", "the receiver has not started (lifespan)")
+            return respond(
+                unavailable("the receiver has not started (lifespan)", slug="not-started")
+            )
         intake = Intake(
             store=store,
             publisher=publisher,
@@ -384,4 +368,4 @@ def create_receiver(
     return asgi
 
 
-__all__ = ["Receiver", "Reply", "create_receiver", "forwarded_headers", "problem"]
+__all__ = ["DEFAULT_STORE_TIMEOUT_S", "PublisherFactory", "Receiver", "create_receiver"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
+from dedupe.asgi.problems import in_flight, unavailable
 from dedupe.claims import conflicts
 from dedupe.claims.fingerprints import claim_request
 from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
@@ -33,7 +34,7 @@ from dedupe.observability.metrics import Metrics
 from dedupe.transport import Publisher
 from dedupe.webhooks import Identity, WebhookSource
 from dedupe_receiver.limits import too_large_for_broker
-from dedupe_receiver.replies import Reply, accepted, in_flight, problem, unavailable
+from dedupe_receiver.replies import Reply, accepted, problem, respond
 
 # Every line the receiver logs comes from one logger, whichever module writes it: operators
 # and the tests select the receiver's lines by this name.
@@ -103,7 +104,7 @@ class Intake:
                 verdict.error,
                 extra=log_fields(source, identity, "store_unavailable"),
             )
-            return unavailable("store-unavailable", "the claim store is unavailable")
+            return respond(unavailable("the claim store is unavailable"))
         self.metrics.claimed(source.scope, time.perf_counter() - started, 1)
         if isinstance(verdict, Ours):
             return await self._publish(source, identity, verdict, forward, body)
@@ -150,7 +151,7 @@ class Intake:
         """The reply to a key we do not own: replay, or come back later."""
         if isinstance(verdict, InFlight):
             self.stats["in_flight"] += 1
-            return in_flight()
+            return respond(in_flight())
         if isinstance(verdict, Unclaimable):
             return problem(400, "invalid-key", "Invalid idempotency key", verdict.detail)
         stored = Reply.from_result(verdict.result) if isinstance(verdict, Duplicate) else None
@@ -214,7 +215,9 @@ class Intake:
                 fence.key,
                 extra=log_fields(source, identity, "broker_unavailable"),
             )
-            return unavailable("broker-unavailable", "the broker did not confirm the message")
+            return respond(
+                unavailable("the broker did not confirm the message", slug="broker-unavailable")
+            )
         reply = accepted(source, identity)
         try:
             async with asyncio.timeout(self.store_timeout_s):

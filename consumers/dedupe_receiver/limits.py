@@ -1,6 +1,6 @@
-"""What of a webhook request goes on to the broker, and how much of it: the body, read up to a
-limit; the headers, minus credentials and hop-by-hop ones, under a bound of their own; and the
-broker's own limit on a whole message."""
+"""How much of a webhook request goes on to the broker: the body, read up to a limit that fits
+the broker's own limit on a whole message next to the forwarded headers
+(dedupe_receiver.forwarding)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,16 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Iterable
 
 from starlette.requests import ClientDisconnect, Request
 
 from dedupe.errors import ConfigurationError
-from dedupe.webhooks import MAX_MESSAGE_ID_BYTES, WEBHOOK_KEY_HEADER, Identity, WebhookSource
+from dedupe.webhooks import MAX_MESSAGE_ID_BYTES, WebhookSource
+from dedupe_receiver.forwarding import MAX_FORWARDED_HEADER_BYTES
 
 logger = logging.getLogger(__name__)
 
-# Forwarded headers are counted as HTTP/2 counts a header list (name + value + 32 bytes
-# each); the bound keeps an AMQP header frame far under RabbitMQ's frame_max (128 KiB).
-MAX_FORWARDED_HEADER_BYTES = 32 * 1024
 # What a message needs besides its body where the broker limits a message's size (Kafka's
 # max_request_size): the forwarded headers, the message id as record key and as header,
 # and the record batch's own fields.
@@ -38,51 +36,6 @@ _CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 # The broker refuses the message itself (aiokafka, client- or broker-side): the same request
 # fails every time, so it is the client's 413, not a 503 to retry.
 _TOO_LARGE_FOR_BROKER = frozenset({"MessageSizeTooLargeError", "RecordTooLargeError"})
-
-# Headers that are never forwarded to the broker: hop-by-hop ones, credentials and
-# signatures (a handler has no use for them and they must not sit in a queue), and the
-# ones the transports and this receiver set themselves.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "content-length",
-        "expect",
-        "host",
-        "keep-alive",
-        "message-id",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-_CREDENTIAL = re.compile(
-    r"auth|cookie|signature|secret|token|password|passwd|api[-_]?key|credential|^x-dedupe-", re.I
-)
-SOURCE_HEADER = "x-dedupe-webhook-source"
-TENANT_HEADER = "x-dedupe-webhook-tenant"
-
-
-def forwarded_headers(
-    headers: Mapping[str, str], source: WebhookSource, identity: Identity
-) -> dict[str, str]:
-    """The request's headers minus credentials and hop-by-hop ones, plus the webhook's own."""
-    forward = {
-        name.lower(): value
-        for name, value in headers.items()
-        if name.lower() not in _HOP_BY_HOP and not _CREDENTIAL.search(name)
-    }
-    forward[SOURCE_HEADER] = source.name
-    forward[WEBHOOK_KEY_HEADER] = identity.key
-    if identity.tenant is not None:
-        forward[TENANT_HEADER] = identity.tenant
-    return forward
-
-
-def header_list_bytes(headers: Mapping[str, str]) -> int:
-    """The size of a header list as HTTP/2 counts it: UTF-8 name + value + 32 per header."""
-    return sum(len(name.encode()) + len(value.encode()) + 32 for name, value in headers.items())
 
 
 def message_limit(publisher: object) -> int | None:
@@ -200,16 +153,12 @@ async def _discard(stream: AsyncGenerator[bytes, None], budget: int) -> bool:
 __all__ = [
     "DISCARD_BYTES",
     "DISCARD_S",
-    "MAX_FORWARDED_HEADER_BYTES",
     "MESSAGE_OVERHEAD_BYTES",
     "MIN_BODY_LIMIT_BYTES",
-    "SOURCE_HEADER",
-    "TENANT_HEADER",
-    "WEBHOOK_KEY_HEADER",
     "BadContentLength",
     "BodyTooLarge",
-    "forwarded_headers",
-    "header_list_bytes",
+    "body_limit",
+    "fitted_message_limit",
     "message_limit",
     "read_body",
     "too_large_for_broker",

@@ -7,9 +7,10 @@ import json
 
 from starlette.responses import Response
 
+from dedupe.asgi.problems import UNAVAILABLE_RETRY_AFTER_S, Problem
 from dedupe.claims.store import ClaimStore
 from dedupe.transport import Publisher
-from dedupe_receiver.replies import UNAVAILABLE_RETRY_AFTER_S, problem
+from dedupe_receiver.replies import respond
 
 
 async def readiness(
@@ -23,13 +24,15 @@ async def readiness(
     if all(state in ("ok", "unchecked") for state in checks.values()):
         body = json.dumps({"status": "ready", "checks": checks}, separators=(",", ":"))
         return Response(body, media_type="application/json")
-    return problem(
-        503,
-        "not-ready",
-        "Not ready",
-        "PostgreSQL or the broker cannot be reached",
-        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
-        checks=checks,
+    return respond(
+        Problem(
+            503,
+            "not-ready",
+            "Not ready",
+            "PostgreSQL or the broker cannot be reached",
+            UNAVAILABLE_RETRY_AFTER_S,
+            extensions={"checks": checks},
+        )
     )
 
 

@@ -1,5 +1,6 @@
 """What the webhook receiver answers: stored replies, replayed byte for byte, and RFC 9457
-problem+json for everything else (its own refusals, Starlette's 404/405, a bug's 500)."""
+problem+json (dedupe.asgi.problems) for everything else (its own refusals, Starlette's 404/405,
+a bug's 500) as Starlette responses."""
 
 from __future__ import annotations
 
@@ -14,19 +15,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from dedupe.asgi.problems import PROBLEM_JSON, Problem
 from dedupe.webhooks import Identity, WebhookSource
 
 # Every line the receiver logs comes from one logger, whichever module writes it: operators
 # and the tests select the receiver's lines by this name.
 logger = logging.getLogger("dedupe_receiver")
 
-PROBLEM_JSON = "application/problem+json"
 REPLAYED_HEADER = "Idempotent-Replayed"
 ACCEPTED = 202
-# A key in flight is held for milliseconds (one publish); come back soon.
-IN_FLIGHT_RETRY_AFTER_S = 1
-# The broker or the database is down: give it a moment.
-UNAVAILABLE_RETRY_AFTER_S = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,40 +73,17 @@ def problem(
     headers: Mapping[str, str] | None = None,
     **extensions: Any,
 ) -> Response:
-    """An RFC 9457 problem+json response."""
-    document: dict[str, Any] = {
-        "type": f"urn:dedupe-worker:problem:{slug}",
-        "title": title,
-        "status": status,
-    }
-    if detail:
-        document["detail"] = detail
-    document.update(extensions)
+    """An RFC 9457 problem+json response (an empty detail is left out)."""
+    return respond(Problem(status, slug, title, detail or None, extensions=extensions), headers)
+
+
+def respond(problem: Problem, headers: Mapping[str, str] | None = None) -> Response:
+    """`problem` as a Starlette response, with `headers` besides its own."""
     return Response(
-        json.dumps(document, separators=(",", ":")),
-        status,
-        headers=dict(headers or {}),
+        problem.body(),
+        problem.status,
+        headers={**problem.headers(), **(headers or {})},
         media_type=PROBLEM_JSON,
-    )
-
-
-def in_flight() -> Response:
-    return problem(
-        409,
-        "in-flight",
-        "Request in flight",
-        "a request with this idempotency key is being processed; retry shortly",
-        headers={"Retry-After": str(IN_FLIGHT_RETRY_AFTER_S)},
-    )
-
-
-def unavailable(slug: str, detail: str) -> Response:
-    return problem(
-        503,
-        slug,
-        "Service unavailable",
-        detail,
-        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
     )
 
 
@@ -164,15 +138,11 @@ class ProblemOnError:
 
 __all__ = [
     "ACCEPTED",
-    "IN_FLIGHT_RETRY_AFTER_S",
-    "PROBLEM_JSON",
     "REPLAYED_HEADER",
-    "UNAVAILABLE_RETRY_AFTER_S",
     "ProblemOnError",
     "Reply",
     "accepted",
     "http_problem",
-    "in_flight",
     "problem",
-    "unavailable",
+    "respond",
 ]

@@ -8,7 +8,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from dedupe.asgi.keys import RequestLine, fingerprint, principal_of, request_message, scope_for
-from dedupe.asgi.replies import Problem, no_principal, too_large
+from dedupe.asgi.problems import Problem
+from dedupe.asgi.replies import no_principal, too_large
 from dedupe.asgi.run import Receive, Scope
 from dedupe.claims.keys import KeyFunc
 from dedupe.claims.store import ClaimRequest

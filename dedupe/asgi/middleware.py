@@ -20,17 +20,8 @@ from collections.abc import Collection
 from dedupe.app import App
 from dedupe.asgi.intake import read_keyed
 from dedupe.asgi.keys import KeyRefused, key_of
-from dedupe.asgi.replies import (
-    ASGIMessage,
-    Problem,
-    Send,
-    answer,
-    answer_for,
-    bad_key,
-    db_down,
-    in_flight,
-    key_required,
-)
+from dedupe.asgi.problems import ASGIMessage, Problem, Send, in_flight
+from dedupe.asgi.replies import answer, answer_for, bad_key, db_down, key_required
 from dedupe.asgi.run import (
     STORE_TIMEOUT_S,
     ASGIApp,

@@ -1,31 +1,23 @@
 """What the idempotency middleware answers itself: responses stored as a claim's result and
-replayed byte for byte, and RFC 9457 problem+json for its refusals (plain ASGI)."""
+replayed byte for byte, and its own refusals as RFC 9457 problems (dedupe.asgi.problems)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dedupe.asgi.problems import Problem, Send, in_flight, send_response, unavailable
 from dedupe.claims.store import ClaimRequest
 from dedupe.claims.verdicts import Conflict, Duplicate, InFlight, Unavailable, Verdict
 from dedupe.observability.activity import Activity
 
 logger = logging.getLogger("dedupe.asgi")
 
-ASGIMessage = MutableMapping[str, Any]
-Send = Callable[[ASGIMessage], Awaitable[None]]
-Headers = list[tuple[bytes, bytes]]
-
-PROBLEM_JSON = b"application/problem+json"
 REPLAYED_HEADER = b"idempotent-replayed"
-# A key in flight is held for the endpoint's run: come back in a second.
-IN_FLIGHT_RETRY_AFTER_S = 1
-# The database is unreachable: give it a moment.
-UNAVAILABLE_RETRY_AFTER_S = 5
 # Headers kept with a stored response and replayed: what the body means and where the created
 # resource is. Never Set-Cookie or anything else a later caller must not get.
 KEPT_HEADERS = frozenset(
@@ -121,45 +113,6 @@ class StoredResponse:
         await send_response(send, self.status, headers, self.body)
 
 
-async def send_response(send: Send, status: int, headers: Headers, body: bytes) -> None:
-    """One whole response, with its Content-Length."""
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*headers, (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """An RFC 9457 problem+json answer of the middleware's own."""
-
-    status: int
-    slug: str
-    title: str
-    detail: str
-    retry_after_s: int | None = None
-    close: bool = False  # Connection: close (a body left unread)
-
-    async def send(self, send: Send) -> None:
-        document = {
-            "type": f"urn:dedupe-worker:problem:{self.slug}",
-            "title": self.title,
-            "status": self.status,
-            "detail": self.detail,
-        }
-        headers: Headers = [(b"content-type", PROBLEM_JSON)]
-        if self.retry_after_s is not None:
-            headers.append((b"retry-after", str(self.retry_after_s).encode()))
-        if self.close:
-            headers.append((b"connection", b"close"))
-        body = json.dumps(document, separators=(",", ":")).encode()
-        await send_response(send, self.status, headers, body)
-
-
 def bad_key(detail: str) -> Problem:
     return Problem(400, "invalid-key", "Invalid idempotency key", detail)
 
@@ -193,28 +146,12 @@ def key_conflict() -> Problem:
     )
 
 
-def in_flight(detail: str | None = None) -> Problem:
-    return Problem(
-        409,
-        "in-flight",
-        "Request in flight",
-        detail or "a request with this idempotency key is being processed; retry shortly",
-        IN_FLIGHT_RETRY_AFTER_S,
-    )
-
-
 def key_failed() -> Problem:
     return Problem(
         409,
         "key-failed",
         "Idempotency key unusable",
         "this idempotency key has no response to replay (its claim failed); use a new key",
-    )
-
-
-def unavailable(detail: str) -> Problem:
-    return Problem(
-        503, "store-unavailable", "Service unavailable", detail, UNAVAILABLE_RETRY_AFTER_S
     )
 
 
@@ -275,23 +212,16 @@ async def answer_for(
 
 
 __all__ = [
-    "IN_FLIGHT_RETRY_AFTER_S",
     "KEPT_HEADERS",
-    "PROBLEM_JSON",
     "REPLAYED_HEADER",
-    "UNAVAILABLE_RETRY_AFTER_S",
-    "Problem",
     "StoredResponse",
     "answer",
     "answer_for",
     "bad_key",
     "db_down",
-    "in_flight",
     "key_conflict",
     "key_failed",
     "key_required",
     "no_principal",
-    "send_response",
     "too_large",
-    "unavailable",
 ]

@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dedupe.asgi.replies import ASGIMessage, Problem, Send, StoredResponse, in_flight, unavailable
+from dedupe.asgi.problems import ASGIMessage, Problem, Send, in_flight, unavailable
+from dedupe.asgi.replies import StoredResponse
 from dedupe.asgi.state import Idempotency
 from dedupe.claims.completion import Completion, complete_in_transaction
 from dedupe.claims.leases import HeldLeases

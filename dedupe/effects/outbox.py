@@ -165,11 +165,6 @@ class Relay:
             if self._stopping:
                 return
 
-    async def relay_once(self) -> int:
-        """Take, publish and mark one batch; return how many rows it took."""
-        took, _ = await self._round()
-        return took
-
     async def _round(self) -> tuple[int, int]:
         """One batch: (rows taken, rows sent or refused)."""
         try:

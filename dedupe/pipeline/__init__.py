@@ -5,7 +5,7 @@ told."""
 from __future__ import annotations
 
 from dedupe.pipeline.observers import Observer, Observers
-from dedupe.pipeline.outcomes import Stats
 from dedupe.pipeline.processor import Processor
+from dedupe.pipeline.stats import Stats
 
 __all__ = ["Observer", "Observers", "Processor", "Stats"]

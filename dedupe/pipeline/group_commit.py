@@ -27,7 +27,7 @@ from dedupe.claims.database import TRANSIENT_ERRORS
 from dedupe.claims.store import ClaimStore, Fence
 from dedupe.context import Database
 from dedupe.errors import StoreError
-from dedupe.pipeline.outcomes import Stats
+from dedupe.pipeline.stats import Stats
 
 logger = logging.getLogger("dedupe.pipeline")
 

@@ -1,5 +1,6 @@
 """What the transport is told: verdicts and runs become outcomes, a message's outcomes (one per
-handler of its channel) are concluded into the one settlement its delivery gets, and counted."""
+handler of its channel) are concluded into the one settlement its delivery gets, and counted
+(in dedupe.pipeline.stats)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from dedupe.app import Handler
 from dedupe.claims import conflicts
@@ -27,50 +27,13 @@ from dedupe.errors import StoreError
 from dedupe.message import Message
 from dedupe.pipeline.hooks import Hooks
 from dedupe.pipeline.observers import Observer
+from dedupe.pipeline.stats import Stats
 from dedupe.transport import Action, Delivery, Reason, Settlement
 
 logger = logging.getLogger("dedupe.pipeline")
 
 # Severity order used to combine the outcomes of several handlers of one channel.
 _SEVERITY = {Action.ACK: 0, Action.DEFER: 1, Action.REQUEUE: 2, Action.DEAD_LETTER: 3}
-
-
-@dataclass
-class Stats:
-    """Counters of what the pipeline decided, for logs, the demo summary and metrics."""
-
-    completed: int = 0
-    duplicates: int = 0
-    conflicts: int = 0
-    retried: int = 0
-    deferred: int = 0
-    requeued: int = 0
-    lease_lost: int = 0
-    taken_over: int = 0  # keys claimed from a worker whose lease lapsed
-    fenced: int = 0  # completions refused because the token had moved on (zombie writes)
-    gc_deleted: int = 0  # expired claims removed by this worker's clean-up
-    # Group commit: COMMITs of a lane's group, and the members they completed (members / groups
-    # is the mean group size: the figure that says whether grouping pays).
-    groups_committed: int = 0
-    group_members_committed: int = 0
-    dead_lettered: collections.Counter[str] = field(default_factory=collections.Counter)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "completed": self.completed,
-            "duplicates": self.duplicates,
-            "conflicts": self.conflicts,
-            "retried": self.retried,
-            "deferred": self.deferred,
-            "requeued": self.requeued,
-            "lease_lost": self.lease_lost,
-            "taken_over": self.taken_over,
-            "fenced": self.fenced,
-            "gc_deleted": self.gc_deleted,
-            "groups_committed": self.groups_committed,
-            "group_members_committed": self.group_members_committed,
-            "dead_lettered": dict(self.dead_lettered),
-        }
 
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims/records.py
@@ -289,7 +252,6 @@ __all__ = [
     "Outcome",
     "Outcomes",
     "Pending",
-    "Stats",
     "Ticket",
     "dead_letter",
     "lease_lost",

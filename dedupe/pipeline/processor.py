@@ -45,12 +45,12 @@ from dedupe.pipeline.outcomes import (
     Outcome,
     Outcomes,
     Pending,
-    Stats,
     Ticket,
     dead_letter,
     store_unavailable,
 )
 from dedupe.pipeline.runs import Runner
+from dedupe.pipeline.stats import Stats
 from dedupe.transport import ACK, Delivery, Publisher, Reason, Settlement
 
 logger = logging.getLogger(__name__)

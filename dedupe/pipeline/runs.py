@@ -35,12 +35,12 @@ from dedupe.pipeline.outcomes import (
     REQUEUE_STOPPING,
     Outcome,
     Pending,
-    Stats,
     Ticket,
     dead_letter,
     lease_lost,
     store_unavailable,
 )
+from dedupe.pipeline.stats import Stats
 from dedupe.transport import Action, Reason, Settlement
 
 logger = logging.getLogger("dedupe.pipeline")

@@ -29,7 +29,8 @@ from dedupe.testing.databases import (
     drop_database,
     drop_templates,
 )
-from dedupe.testing.memory import MemoryBroker, MemoryDelivery, MemoryTransport, Sent, Settled
+from dedupe.testing.deliveries import MemoryDelivery, Sent, Settled
+from dedupe.testing.memory import MemoryBroker, MemoryTransport
 from dedupe.testing.recorder import Call, Recorder
 from dedupe.testing.run import TestRun, current_run
 from dedupe.testing.stages import Run, Stage, Stall

@@ -13,7 +13,7 @@ from typing import Any
 
 from dedupe.app import App
 from dedupe.testing.databases import Schema
-from dedupe.testing.memory import Sent
+from dedupe.testing.deliveries import Sent
 from dedupe.testing.recorder import Call, Recorder, distinct_keys
 from dedupe.testing.run import TestRun
 from dedupe.testing.stages import Run

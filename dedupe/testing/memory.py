@@ -322,13 +322,4 @@ class MemoryTransport(Transport):
             logger.error("the pipeline returned without settling %s", delivery.message.message_id)
 
 
-__all__ = [
-    "Fate",
-    "MemoryBroker",
-    "MemoryDelivery",
-    "MemoryTransport",
-    "Sent",
-    "Settled",
-    "encode_body",
-    "make_message",
-]
+__all__ = ["MemoryBroker", "MemoryTransport"]

@@ -16,7 +16,8 @@ import asyncpg
 from dedupe.app import STAGES, App, Hook
 from dedupe.message import Message
 from dedupe.testing.databases import ClaimRow, Schema, create_database, drop_database, read_claims
-from dedupe.testing.memory import MemoryBroker, Sent, Settled
+from dedupe.testing.deliveries import Sent, Settled
+from dedupe.testing.memory import MemoryBroker
 from dedupe.testing.stages import STAGE_WORDS, Point, Run, Stage, Stall
 from dedupe.testing.workers import SimulatedWorker, WorkerDied, current_worker
 
@@ -253,7 +254,7 @@ class TestRun:
         self._points.append(point)
 
     async def _at_stage(self, stage: str, message: Message, scope: str, key: str) -> None:
-        """The hook the run adds to the app: counts runs, fires the crash points."""
+        """The hook the run adds to the app: counts runs, fires the crash points and stalls."""
         worker = current_worker()
         if worker is None or worker not in self.workers:
             return  # another run's worker, or a real one: not ours to touch
@@ -267,14 +268,7 @@ class TestRun:
             worker.die()
             self._chore(self._replace(worker, expire=point.expire_lease))
             raise WorkerDied(f"worker {worker.name} died {STAGE_WORDS[stage]} of {scope}/{key}")
-        point.stall.worker = worker.name
-        point.stall._held = worker
-        worker.freeze()
-        point.stall._reached.set()
-        try:
-            await point.stall._resume.wait()
-        finally:
-            worker.thaw()
+        await point.stall.hold(worker)
 
     async def _replace(self, dead: SimulatedWorker, *, expire: bool) -> None:
         if expire:
@@ -392,4 +386,4 @@ class TestRun:
         return claim.result
 
 
-__all__ = ["ClaimRow", "TestRun", "current_run"]
+__all__ = ["TestRun", "current_run"]

@@ -37,10 +37,6 @@ class Stall:
         self._reached = asyncio.Event()
         self._resume = asyncio.Event()
 
-    @property
-    def is_reached(self) -> bool:
-        return self._reached.is_set()
-
     async def reached(self, timeout_s: float = 10.0) -> None:
         """Wait until a run is held at the stage."""
         try:
@@ -51,6 +47,17 @@ class Stall:
                 f"no run reached {self.stage!r} within {timeout_s:g}s"
                 + (f" for key {self.key!r}" if self.key else "")
             ) from None
+
+    async def hold(self, worker: SimulatedWorker) -> None:
+        """Hold `worker`'s run here, frozen (no heartbeats), until resume() is called."""
+        self.worker = worker.name
+        self._held = worker
+        worker.freeze()
+        self._reached.set()
+        try:
+            await self._resume.wait()
+        finally:
+            worker.thaw()
 
     def resume(self) -> None:
         """Let the held run go on (its worker heartbeats again)."""

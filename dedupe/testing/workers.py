@@ -24,8 +24,8 @@ from dedupe.app import App
 from dedupe.claims.database import connect_pool
 from dedupe.claims.records import KeyId
 from dedupe.claims.store import ClaimStore, Fence
-from dedupe.pipeline.outcomes import Stats
 from dedupe.pipeline.processor import Processor
+from dedupe.pipeline.stats import Stats
 from dedupe.testing.memory import MemoryBroker, MemoryTransport
 
 logger = logging.getLogger(__name__)

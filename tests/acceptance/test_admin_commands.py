@@ -16,7 +16,7 @@ from dedupe import App
 from dedupe.claims.store import ClaimStore
 from dedupe.observability.activity import Activity
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 from tests.conftest import ROOT
 
 CLI = [sys.executable, "-m", "dedupe.cli"]

@@ -13,7 +13,7 @@ from dedupe import App, Context
 from dedupe.claims.store import ClaimStore
 from dedupe.observability.activity import Activity
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 from tests.acceptance.test_admin_commands import cli
 
 FIRST = b'{"order": "o-1", "amount": 1000, "note": "card 4242", "sent_at": "10:00:00"}'

@@ -13,7 +13,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from dedupe_kafka import transport as kafka
+import dedupe_kafka as kafka
 from tests.acceptance.conftest import (
     Spawner,
     assert_stopped_cleanly,

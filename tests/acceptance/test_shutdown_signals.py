@@ -10,7 +10,7 @@ from pathlib import Path
 
 import asyncpg
 
-from dedupe_rabbitmq import transport as rabbitmq
+import dedupe_rabbitmq as rabbitmq
 from tests.acceptance.conftest import Spawner, payload, wait_exit
 from tests.conftest import eventually
 from tests.integration.brokers import RabbitBroker

@@ -12,7 +12,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from dedupe_rabbitmq import transport as rabbitmq
+import dedupe_rabbitmq as rabbitmq
 from tests.acceptance.conftest import (
     Spawner,
     assert_stopped_cleanly,

@@ -11,8 +11,8 @@ import aio_pika
 import aiormq
 from aiokafka.admin import AIOKafkaAdminClient
 
-from dedupe_kafka import transport as kafka
-from dedupe_rabbitmq import transport as rabbitmq
+import dedupe_kafka as kafka
+import dedupe_rabbitmq as rabbitmq
 from tests.integration.brokers import KafkaBroker, RabbitBroker
 
 

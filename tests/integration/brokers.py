@@ -9,9 +9,9 @@ from typing import Any, Protocol
 
 import aio_pika
 
+import dedupe_kafka as kafka
+import dedupe_rabbitmq as rabbitmq
 from dedupe.transport import Transport
-from dedupe_kafka import transport as kafka
-from dedupe_rabbitmq import transport as rabbitmq
 
 Messages = Sequence[tuple[bytes, Mapping[str, Any], str | None]]
 Release = Callable[[str, str], Awaitable[object]]

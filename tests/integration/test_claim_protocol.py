@@ -15,7 +15,7 @@ from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
 from dedupe.errors import ConfigurationError
 from dedupe.operations.claims import ClaimAdmin
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 from dedupe.transport import Action, Reason
 from tests.conftest import eventually
 

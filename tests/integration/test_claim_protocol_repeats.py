@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from dedupe import App, Context
 from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 from dedupe.transport import Action, Reason
 from tests.conftest import eventually
 

@@ -15,7 +15,7 @@ from dedupe.claims.store import ClaimStore
 from dedupe.observability.activity import Activity
 from dedupe.operations.claims import ClaimAdmin
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 from dedupe.transport import Action, Reason, dead_letter_headers
 
 CH = "orders"

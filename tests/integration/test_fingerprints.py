@@ -15,7 +15,7 @@ from dedupe import App, Context
 from dedupe.claims.fingerprints import KEEP_PAYLOAD_MAX_BYTES
 from dedupe.claims.store import ClaimRequest, ClaimStore
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 from dedupe.transport import Action, Reason, Settlement
 
 CH = "orders"

@@ -17,8 +17,8 @@ from dedupe.claims.store import ClaimStore
 from dedupe.observability.activity import Activity
 from dedupe.operations.claims import ClaimAdmin
 from dedupe.transport import Publisher
-from dedupe_kafka.transport import KafkaPublisher
-from dedupe_rabbitmq.transport import RabbitMQPublisher
+from dedupe_kafka.publisher import KafkaPublisher
+from dedupe_rabbitmq.publisher import RabbitMQPublisher
 from tests.conftest import eventually, running
 from tests.integration.brokers import Broker
 

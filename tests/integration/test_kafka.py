@@ -17,11 +17,12 @@ import pytest
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from pydantic import BaseModel
 
+import dedupe_kafka as kafka
 from dedupe import App, Context
 from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
 from dedupe.pipeline.processor import Processor
-from dedupe_kafka import transport as kafka
-from dedupe_kafka.transport import KafkaPublisher, KafkaTransport
+from dedupe_kafka.publisher import KafkaPublisher
+from dedupe_kafka.transport import KafkaTransport
 from tests.conftest import eventually, running
 from tests.integration.brokers import KafkaBroker
 

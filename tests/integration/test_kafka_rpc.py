@@ -12,9 +12,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from pydantic import BaseModel
 
+import dedupe_kafka as kafka
 from dedupe import App
 from dedupe.claims.store import ClaimStore
-from dedupe_kafka import transport as kafka
 from tests.conftest import delete_channel_everywhere, eventually, running
 from tests.integration.brokers import KafkaBroker
 

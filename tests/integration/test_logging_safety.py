@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from dedupe import App, Context
 from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 
 SECRET_BODY = "4111111111111111"
 SIGNATURE = "v1,U0VDUkVULVNJR05BVFVSRQ=="

@@ -14,7 +14,7 @@ from dedupe import App, Context
 from dedupe.claims.store import ClaimRequest, ClaimStore
 from dedupe.observability.metrics import Metrics
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 from tests.conftest import eventually
 
 CH = "work"

@@ -19,10 +19,10 @@ from dedupe.claims.values import MAX_RESULT_BYTES
 from dedupe.effects.run_effects import _NAMESPACE, StepError
 from dedupe.pipeline.processor import Processor
 from dedupe.sql import queries
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 from dedupe.transport import Action, Publisher, Reason
 from dedupe_kafka import KafkaPublisher
-from dedupe_rabbitmq.transport import RabbitMQPublisher
+from dedupe_rabbitmq.publisher import RabbitMQPublisher
 from tests.conftest import delete_channel_everywhere, eventually, running
 from tests.integration.brokers import Broker
 

@@ -10,7 +10,8 @@ from pydantic import BaseModel
 
 from dedupe import App
 from dedupe.claims.store import ClaimStore
-from dedupe_rabbitmq.transport import RabbitMQTransport, declare_channel
+from dedupe_rabbitmq.topology import declare_channel
+from dedupe_rabbitmq.transport import RabbitMQTransport
 from tests.conftest import running
 
 

@@ -19,7 +19,8 @@ from pydantic import BaseModel
 from dedupe import App, Context, Reject
 from dedupe.claims.store import ClaimRequest, ClaimStore
 from dedupe.transport import Action, Reason, Settlement, dlq_name
-from dedupe_rabbitmq.transport import RabbitDelivery, RabbitMQTransport, declare_channel, delay_name
+from dedupe_rabbitmq.topology import declare_channel, delay_name
+from dedupe_rabbitmq.transport import RabbitDelivery, RabbitMQTransport
 from tests.conftest import eventually, running
 
 

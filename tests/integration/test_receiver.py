@@ -30,12 +30,14 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
+import dedupe_rabbitmq as rabbitmq
 from dedupe import App
 from dedupe.claims.store import ClaimRequest, ClaimStore
 from dedupe.webhooks import api_key, env, github
-from dedupe_kafka.transport import KafkaPublisher, KafkaTransport
-from dedupe_rabbitmq import transport as rabbitmq
-from dedupe_rabbitmq.transport import RabbitMQPublisher, RabbitMQTransport
+from dedupe_kafka.publisher import KafkaPublisher
+from dedupe_kafka.transport import KafkaTransport
+from dedupe_rabbitmq.publisher import RabbitMQPublisher
+from dedupe_rabbitmq.transport import RabbitMQTransport
 from dedupe_receiver.application import create_receiver
 from dedupe_receiver.limits import DISCARD_BYTES
 from handlers.webhooks import make_app, setup

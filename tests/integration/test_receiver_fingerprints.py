@@ -17,7 +17,7 @@ from dedupe.claims.store import ClaimStore
 from dedupe.effects.outbox import Relay
 from dedupe.operations.claims import ClaimAdmin
 from dedupe.webhooks import api_key
-from dedupe_rabbitmq.transport import RabbitMQPublisher
+from dedupe_rabbitmq.publisher import RabbitMQPublisher
 from dedupe_receiver.application import create_receiver
 
 API_KEY = "api-key-fp-4d1c"

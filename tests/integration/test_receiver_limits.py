@@ -15,13 +15,14 @@ from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError
 from dedupe.message import Headers
 from dedupe.webhooks import env, github
-from dedupe_kafka.transport import KafkaPublisher
-from dedupe_receiver.application import (
+from dedupe_kafka.publisher import KafkaPublisher
+from dedupe_receiver.application import create_receiver
+from dedupe_receiver.forwarding import (
     MAX_FORWARDED_HEADER_BYTES,
-    create_receiver,
     forwarded_headers,
     header_list_bytes,
 )
+from dedupe_receiver.limits import body_limit
 from tests.integration.test_receiver import (  # noqa: F401 - fixtures
     API_KEY_A,
     CountingPublisher,
@@ -149,7 +150,7 @@ async def test_a_body_near_a_mebibyte_on_kafka_is_a_413_and_the_largest_accepted
     try:
         receiver = create_receiver(kafka_app, store=store, publisher=kafka)
         source = kafka_app.webhooks["github"]
-        limit = receiver.state.receiver.body_limit(source)
+        limit = body_limit(source, receiver.state.receiver.message_limit)
         assert 1_000_000 < limit < source.max_body_bytes
         transport = httpx.ASGITransport(app=receiver)
         async with httpx.AsyncClient(transport=transport, base_url="http://r") as http:
@@ -195,7 +196,7 @@ async def test_max_request_size_in_the_kafka_url_raises_the_receivers_body_limit
         kafka = KafkaPublisher(f"{kafka_url}?max_request_size={size}")
         try:
             receiver = create_receiver(kafka_app, store=store, publisher=kafka)
-            limit = receiver.state.receiver.body_limit(source)
+            limit = body_limit(source, receiver.state.receiver.message_limit)
             if expected is None:
                 assert limit < source.max_body_bytes  # lowered to fit 1 MiB requests
             else:

@@ -355,11 +355,7 @@ async def test_request_log_lines_carry_scope_key_message_id_and_outcome(
         await client.post(
             "/webhooks/orders", content=b"{}", headers=orders_request("o-3", api_key="nope")
         )
-    lines = [
-        r
-        for r in caplog.records
-        if r.name == "dedupe_receiver.application" and hasattr(r, "outcome")
-    ]
+    lines = [r for r in caplog.records if r.name == "dedupe_receiver" and hasattr(r, "outcome")]
     fields = [
         (r.outcome, getattr(r, "scope", None), getattr(r, "key", None), r.source)  # type: ignore[attr-defined]
         for r in lines

@@ -10,9 +10,9 @@ import uuid
 import asyncpg
 from pydantic import BaseModel
 
+import dedupe_rabbitmq as rabbitmq
 from dedupe import App, Context
 from dedupe.claims.store import ClaimStore
-from dedupe_rabbitmq import transport as rabbitmq
 from dedupe_rabbitmq.transport import RabbitMQTransport
 from tests.conftest import eventually, running
 

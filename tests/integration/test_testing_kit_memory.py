@@ -12,7 +12,8 @@ from pydantic import BaseModel
 from dedupe import App, Context, Reject, Worker
 from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryBroker, MemoryDelivery, MemoryTransport, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
+from dedupe.testing.memory import MemoryBroker, MemoryTransport
 from dedupe.transport import Reason
 
 CH = "orders"

@@ -13,7 +13,7 @@ from dedupe import App
 from dedupe.claims.store import ClaimStore
 from dedupe.observability.tracing import Tracing
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
+from dedupe.testing.deliveries import MemoryDelivery, make_message
 
 PRODUCER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 

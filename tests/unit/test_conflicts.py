@@ -7,7 +7,7 @@ import json
 
 from dedupe.claims.conflicts import MAX_CHANGES, ConflictReport, json_diff, report
 from dedupe.claims.fingerprints import RAW, Fingerprint, claim_request, compile_fingerprint
-from dedupe.testing.memory import make_message
+from dedupe.testing.deliveries import make_message
 from dedupe.transport import Action, Reason, Settlement, dead_letter_headers
 
 

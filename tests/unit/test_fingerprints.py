@@ -15,7 +15,7 @@ from dedupe.claims.fingerprints import (
 )
 from dedupe.errors import ConfigurationError, InvalidPayload
 from dedupe.message import Message
-from dedupe.testing.memory import make_message
+from dedupe.testing.deliveries import make_message
 
 
 def digest(fingerprint: Fingerprint, body: str | bytes) -> bytes:

@@ -7,7 +7,7 @@ import re
 from types import SimpleNamespace
 
 from dedupe.observability.metrics import Metrics
-from dedupe.pipeline.processor import Stats
+from dedupe.pipeline.stats import Stats
 from tests.conftest import ROOT
 
 

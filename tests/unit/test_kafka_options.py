@@ -6,7 +6,8 @@ import pytest
 
 from dedupe.errors import ConfigurationError
 from dedupe.settings import Settings
-from dedupe_kafka.transport import KafkaOptions, KafkaTransport, with_options
+from dedupe_kafka.options import KafkaOptions, with_options
+from dedupe_kafka.transport import KafkaTransport
 
 
 def test_the_group_is_named_after_the_app_unless_the_url_names_one() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from dedupe.claims.keys import compile_key, derive_key
 from dedupe.errors import ConfigurationError, InvalidPayload, KeyMissing
-from dedupe.testing.memory import make_message
+from dedupe.testing.deliveries import make_message
 
 
 def msg(body: str = "{}", **kwargs: object) -> object:

@@ -12,7 +12,8 @@ from dedupe.errors import ConfigurationError
 from dedupe.plugins import SERVERS, TRANSPORTS, server, transport_plugin
 from dedupe.settings import Settings
 from dedupe_kafka.transport import KafkaTransport
-from dedupe_rabbitmq.transport import RabbitMQPublisher, RabbitMQTransport
+from dedupe_rabbitmq.publisher import RabbitMQPublisher
+from dedupe_rabbitmq.transport import RabbitMQTransport
 from tests.conftest import ROOT
 
 # What the goal greps for, as the before-stop hook does.

@@ -7,7 +7,7 @@ from pydantic import BaseModel
 
 from dedupe import App, Context, Message
 from dedupe.errors import ConfigurationError, InvalidPayload
-from dedupe.testing.memory import make_message
+from dedupe.testing.deliveries import make_message
 
 
 class Order(BaseModel):
