@@ -124,7 +124,9 @@ async def kafka_plain(args: argparse.Namespace, tally: Tally, naive: bool) -> di
 
 async def sql_loop(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
     """Claim and complete batches of new keys straight on the pool, `concurrency` loops at once."""
-    from dedupe.claims.store import ClaimRequest, ClaimStore, Fence, connect_pool
+    from dedupe.claims.database import connect_pool
+    from dedupe.claims.records import ClaimRequest, Fence
+    from dedupe.claims.store import ClaimStore
 
     pool = await connect_pool(args.db, max_size=args.concurrency + 4)
     async with pool:

@@ -25,7 +25,8 @@ if str(ROOT) not in sys.path:
 
 from bench.apps import make_app  # noqa: E402
 from bench.harness import fresh_database  # noqa: E402
-from dedupe.claims.store import ClaimStore, connect_pool  # noqa: E402
+from dedupe.claims.database import connect_pool  # noqa: E402
+from dedupe.claims.store import ClaimStore  # noqa: E402
 from dedupe.pipeline.processor import Processor  # noqa: E402
 from dedupe.testing.deliveries import MemoryDelivery, make_message  # noqa: E402
 from dedupe.transport import Action  # noqa: E402

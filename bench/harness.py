@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 
 from bench.apps import PUBLISHING, out_channel
-from dedupe.claims.store import migrate
+from dedupe.claims.database import migrate
 from dedupe.testing.databases import drop_forced
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -150,7 +150,7 @@ async def main() -> int:
 
     import asyncpg
 
-    from dedupe.claims.store import migrate
+    from dedupe.claims.database import migrate
 
     run = uuid.uuid4().hex[:8]
     db_name = f"dedupe_bench_{run}"

@@ -104,7 +104,8 @@ async def duplicates(n: int, report: dict[str, Any], uvloop: bool) -> None:
 
 async def gc_while_running(n: int, expired: int, report: dict[str, Any], uvloop: bool) -> None:
     """Expired claims deleted per second by `ClaimStore.gc` while a worker takes new ones."""
-    from dedupe.claims.store import ClaimStore, connect_pool
+    from dedupe.claims.database import connect_pool
+    from dedupe.claims.store import ClaimStore
 
     async with fresh_database() as db:
         conn = await asyncpg.connect(db)

@@ -45,7 +45,8 @@ from bench.tally import Tally  # noqa: E402
 
 async def dedupe(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
     from bench.apps import make_app
-    from dedupe.claims.store import ClaimStore, connect_pool
+    from dedupe.claims.database import connect_pool
+    from dedupe.claims.store import ClaimStore
     from dedupe.pipeline.processor import Processor
     from dedupe.settings import Settings
     from dedupe.transport import Transport

@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 
 from dedupe.claims.fingerprints import RAW, Fingerprint, FingerprintSpec, compile_fingerprint
 from dedupe.claims.keys import KeyFunc, KeySpec, compile_key
-from dedupe.context import Context
 from dedupe.decoding import Decoder, decoder_for
 from dedupe.errors import ConfigurationError
 from dedupe.message import Message
@@ -365,4 +364,4 @@ def _compile_scope(base: str, spec: KeySpec | None) -> Callable[[Message], str |
     return scope_of
 
 
-__all__ = ["App", "Context", "Handler", "WebhookSource"]
+__all__ = ["App", "Handler"]

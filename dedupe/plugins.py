@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dedupe.errors import ConfigurationError
 from dedupe.operations.replay import Release
-from dedupe.registry import SERVERS, TRANSPORTS, installed_schemes, registered, scheme_of
+from dedupe.registry import SERVERS, TRANSPORTS, registered, scheme_of
 from dedupe.transport import Publisher, Transport
 
 if TYPE_CHECKING:
@@ -155,17 +155,12 @@ def _load(entry: EntryPoint, what: str) -> Any:
 
 
 __all__ = [
-    "SERVERS",
-    "TRANSPORTS",
     "BrokerAdmin",
     "Messages",
-    "Release",
     "Server",
     "Serving",
     "TransportPlugin",
     "UrlOption",
-    "installed_schemes",
-    "scheme_of",
     "server",
     "transport_plugin",
 ]

@@ -124,7 +124,6 @@ __all__ = [
     "Delivery",
     "Process",
     "Publisher",
-    "Reason",
     "Settlement",
     "Transport",
     "dead_letter_headers",

@@ -14,7 +14,7 @@ from aio_pika.abc import (
     AbstractQueue,
 )
 
-from dedupe.claims.store import redact
+from dedupe.claims.database import redact
 from dedupe.errors import DedupeError
 from dedupe.message import Headers
 from dedupe_rabbitmq.topology import declare_channel

@@ -15,7 +15,8 @@ from starlette.responses import Response
 from dedupe.asgi.problems import in_flight, unavailable
 from dedupe.claims import conflicts
 from dedupe.claims.fingerprints import claim_request
-from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.records import ClaimRequest, Fence
+from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import (
     Claims,
     Conflict,

@@ -3,6 +3,7 @@ middleware (no web framework imported)."""
 
 from __future__ import annotations
 
-from dedupe.asgi.middleware import MAX_RESPONSE_BYTES, Idempotency, IdempotencyMiddleware
+from dedupe.asgi.middleware import MAX_RESPONSE_BYTES, IdempotencyMiddleware
+from dedupe.asgi.state import Idempotency
 
 __all__ = ["MAX_RESPONSE_BYTES", "Idempotency", "IdempotencyMiddleware"]

@@ -12,7 +12,7 @@ from dedupe.asgi.problems import Problem
 from dedupe.asgi.replies import no_principal, too_large
 from dedupe.asgi.run import Receive, Scope
 from dedupe.claims.keys import KeyFunc
-from dedupe.claims.store import ClaimRequest
+from dedupe.claims.records import ClaimRequest
 
 
 @dataclass(frozen=True, slots=True)

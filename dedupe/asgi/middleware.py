@@ -34,7 +34,8 @@ from dedupe.asgi.run import (
 from dedupe.asgi.state import Idempotency
 from dedupe.claims.database import connect_pool
 from dedupe.claims.keys import KeySpec, compile_key
-from dedupe.claims.store import ClaimRequest, ClaimStore
+from dedupe.claims.records import ClaimRequest
+from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import Claims, InFlight, Ours, Terms, Unavailable, Verdict
 from dedupe.context import Database
 from dedupe.effects.run_effects import RunEffects
@@ -372,4 +373,4 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
         await task
 
 
-__all__ = ["MAX_RESPONSE_BYTES", "Idempotency", "IdempotencyMiddleware"]
+__all__ = ["MAX_RESPONSE_BYTES", "IdempotencyMiddleware"]

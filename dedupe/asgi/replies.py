@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dedupe.asgi.problems import Problem, Send, in_flight, send_response, unavailable
-from dedupe.claims.store import ClaimRequest
+from dedupe.claims.records import ClaimRequest
 from dedupe.claims.verdicts import Conflict, Duplicate, InFlight, Unavailable, Verdict
 from dedupe.observability.activity import Activity
 

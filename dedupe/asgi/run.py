@@ -13,10 +13,10 @@ from typing import Any
 
 from dedupe.asgi.problems import ASGIMessage, Problem, Send, in_flight, unavailable
 from dedupe.asgi.replies import StoredResponse
-from dedupe.asgi.state import Idempotency
 from dedupe.claims.completion import Completion, complete_in_transaction
 from dedupe.claims.leases import HeldLeases
-from dedupe.claims.store import ClaimStore, Fence
+from dedupe.claims.records import Fence
+from dedupe.claims.store import ClaimStore
 from dedupe.context import Database
 from dedupe.effects import outbox
 from dedupe.effects.run_effects import RunEffects
@@ -367,4 +367,4 @@ async def run_unkeyed(
     return outcome
 
 
-__all__ = ["STORE_TIMEOUT_S", "HttpLeases", "Idempotency", "KeyedRun", "run_unkeyed"]
+__all__ = ["STORE_TIMEOUT_S", "HttpLeases", "KeyedRun", "run_unkeyed"]

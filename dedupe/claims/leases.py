@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from dedupe.claims.records import KeyId
-from dedupe.claims.store import ClaimStore, Fence
+from dedupe.claims.records import Fence, KeyId
+from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import Ours
 from dedupe.errors import StoreError
 

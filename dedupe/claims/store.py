@@ -20,13 +20,9 @@ from tenacity import (
 
 from dedupe.claims.database import (
     GC_LOCK_ID,
-    MIGRATE_LOCK_ID,
     TRANSIENT_ERRORS,
     VALUE_ERRORS,
     connect_pool,
-    loopback_without_tls,
-    migrate,
-    redact,
     said,
 )
 from dedupe.claims.records import Claim, ClaimRequest, Fence, KeyId, Reason
@@ -380,18 +376,4 @@ def _claim_of(row: asyncpg.Record) -> Claim:
     )
 
 
-__all__ = [
-    "GC_LOCK_ID",
-    "MIGRATE_LOCK_ID",
-    "TRANSIENT_ERRORS",
-    "VALUE_ERRORS",
-    "Claim",
-    "ClaimRequest",
-    "ClaimStore",
-    "Fence",
-    "ValueRefused",
-    "connect_pool",
-    "loopback_without_tls",
-    "migrate",
-    "redact",
-]
+__all__ = ["ClaimStore", "ValueRefused"]

@@ -9,7 +9,8 @@ import shlex
 import sys
 from typing import Any
 
-from dedupe.claims.store import ClaimStore, migrate
+from dedupe.claims.database import migrate
+from dedupe.claims.store import ClaimStore
 from dedupe.cli.options import cell, confirm, print_rows
 from dedupe.operations.claims import FINISHED, ClaimAdmin, NotSettled
 from dedupe.plugins import TransportPlugin, transport_plugin

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from dedupe.claims.store import ClaimStore, connect_pool
+from dedupe.claims.database import connect_pool
+from dedupe.claims.store import ClaimStore
 from dedupe.cli.options import load_app, make_publisher
 from dedupe.cli.serving import serve_until_stopped
 from dedupe.errors import ConfigurationError

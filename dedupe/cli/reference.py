@@ -16,7 +16,8 @@ import textwrap
 from collections.abc import Callable
 
 from dedupe.cli.options import FromEnvironment, commands
-from dedupe.plugins import installed_schemes, server, transport_plugin
+from dedupe.plugins import server, transport_plugin
+from dedupe.registry import installed_schemes
 from dedupe.settings import Settings
 
 # What each setting means; a test fails when a Settings field has no line here.

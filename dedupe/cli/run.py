@@ -15,9 +15,9 @@ from dedupe.observability.metrics import Metrics
 from dedupe.pipeline.observers import Observer
 from dedupe.pipeline.processor import Processor
 from dedupe.settings import Settings
-from dedupe.worker import Worker, broker_unreachable, freeze_startup_heap
+from dedupe.worker import Worker, freeze_startup_heap
 
-__all__ = ["broker_unreachable", "cmd_run"]
+__all__ = ["cmd_run"]
 
 
 async def cmd_run(args: argparse.Namespace, settings: Settings) -> int:

@@ -16,7 +16,7 @@ import pydantic
 import pydantic_core
 
 from dedupe.claims.database import TRANSIENT_ERRORS
-from dedupe.claims.store import Fence
+from dedupe.claims.records import Fence
 from dedupe.claims.values import step_json
 from dedupe.context import Database
 from dedupe.effects.outbox import Outgoing

@@ -13,7 +13,8 @@ import asyncpg
 
 from dedupe.claims.completion import add_to_outbox
 from dedupe.claims.conflicts import RUN_AS_HEADER, RUN_AS_SCOPE_HEADER
-from dedupe.claims.store import TRANSIENT_ERRORS, ClaimStore
+from dedupe.claims.database import TRANSIENT_ERRORS
+from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import check_claimable
 from dedupe.effects import outbox
 from dedupe.errors import DedupeError, InvalidKey, StoreError

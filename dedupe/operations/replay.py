@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dedupe.claims.conflicts import CLAIMED_FINGERPRINT_HEADER, DIFF_HEADER, FINGERPRINT_HEADER
-from dedupe.claims.records import KeyId
+from dedupe.claims.records import KeyId, Reason
 from dedupe.message import Headers
 from dedupe.transport import (
     BODY_DROPPED_HEADER,
@@ -28,7 +28,6 @@ from dedupe.transport import (
     KEY_HEADER,
     REASON_HEADER,
     SCOPE_HEADER,
-    Reason,
 )
 
 T = TypeVar("T")

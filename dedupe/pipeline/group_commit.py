@@ -24,7 +24,8 @@ import asyncpg
 
 from dedupe.claims.completion import Completion, OutboxRow, add_to_outbox, complete_in
 from dedupe.claims.database import TRANSIENT_ERRORS
-from dedupe.claims.store import ClaimStore, Fence
+from dedupe.claims.records import Fence
+from dedupe.claims.store import ClaimStore
 from dedupe.context import Database
 from dedupe.errors import StoreError
 from dedupe.pipeline.stats import Stats

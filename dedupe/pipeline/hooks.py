@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dedupe.app import STAGES, App, Hook
-from dedupe.claims.store import Fence
+from dedupe.claims.records import Fence
 from dedupe.message import Message
 
 

@@ -12,9 +12,10 @@ import logging
 from collections.abc import Sequence
 from typing import Self
 
+from dedupe.claims.records import Reason
 from dedupe.errors import StoreError
 from dedupe.message import Message
-from dedupe.transport import Action, Reason, Settlement
+from dedupe.transport import Action, Settlement
 
 logger = logging.getLogger("dedupe.outcome")
 _flush_logger = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from dedupe.app import Handler
 from dedupe.claims import conflicts
-from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.records import ClaimRequest, Fence, Reason
+from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import storable_text
 from dedupe.claims.verdicts import (
     Conflict,
@@ -28,7 +29,7 @@ from dedupe.message import Message
 from dedupe.pipeline.hooks import Hooks
 from dedupe.pipeline.observers import Observer
 from dedupe.pipeline.stats import Stats
-from dedupe.transport import Action, Delivery, Reason, Settlement
+from dedupe.transport import Action, Delivery, Settlement
 
 logger = logging.getLogger("dedupe.pipeline")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from dedupe.app import App, Handler
 from dedupe.claims.leases import Lease, Leases
-from dedupe.claims.records import KeyId
+from dedupe.claims.records import KeyId, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import (
     Claims,
@@ -51,7 +51,7 @@ from dedupe.pipeline.outcomes import (
 )
 from dedupe.pipeline.runs import Runner
 from dedupe.pipeline.stats import Stats
-from dedupe.transport import ACK, Delivery, Publisher, Reason, Settlement
+from dedupe.transport import Delivery, Publisher, Settlement
 
 logger = logging.getLogger(__name__)
 
@@ -402,4 +402,4 @@ def _ready(settlement: Settlement) -> asyncio.Future[Outcome]:
     return future
 
 
-__all__ = ["ACK", "Processor", "Stats"]
+__all__ = ["Processor"]

@@ -18,7 +18,8 @@ from dedupe.app import App, Handler
 from dedupe.claims.batching import Batcher
 from dedupe.claims.completion import Completion, complete_in_transaction
 from dedupe.claims.leases import Lease, Leases
-from dedupe.claims.store import ClaimStore, Fence
+from dedupe.claims.records import Fence, Reason
+from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import encode_result
 from dedupe.claims.verdicts import Ours
 from dedupe.context import Context, Database
@@ -41,7 +42,7 @@ from dedupe.pipeline.outcomes import (
     store_unavailable,
 )
 from dedupe.pipeline.stats import Stats
-from dedupe.transport import Action, Reason, Settlement
+from dedupe.transport import Action, Settlement
 
 logger = logging.getLogger("dedupe.pipeline")
 

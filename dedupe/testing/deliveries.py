@@ -9,8 +9,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dedupe.claims.records import Reason
 from dedupe.message import Headers, Message
-from dedupe.transport import Reason, Settlement, dead_letter_headers
+from dedupe.transport import Settlement, dead_letter_headers
 
 Fate = Literal["acked", "dead_lettered", "redelivered", "ack_lost", "dropped"]
 

@@ -22,8 +22,8 @@ import asyncpg
 
 from dedupe.app import App
 from dedupe.claims.database import connect_pool
-from dedupe.claims.records import KeyId
-from dedupe.claims.store import ClaimStore, Fence
+from dedupe.claims.records import Fence, KeyId
+from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
 from dedupe.pipeline.stats import Stats
 from dedupe.testing.memory import MemoryBroker, MemoryTransport

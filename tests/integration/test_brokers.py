@@ -13,7 +13,8 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context, Reject
-from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.records import ClaimRequest, Fence
+from dedupe.claims.store import ClaimStore
 from dedupe.observability.logs import fields_of
 from tests.conftest import eventually, running
 from tests.integration.brokers import Broker

@@ -11,12 +11,13 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context, Reject, Retry
-from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.records import ClaimRequest, Fence, Reason
+from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError
 from dedupe.operations.claims import ClaimAdmin
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
-from dedupe.transport import Action, Reason
+from dedupe.transport import Action
 from tests.conftest import eventually
 
 CH = "work"

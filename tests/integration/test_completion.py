@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncpg
 
 from dedupe.claims.completion import Completion, complete_in, complete_in_transaction
-from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.records import ClaimRequest, Fence
+from dedupe.claims.store import ClaimStore
 from dedupe.context import Database
 from dedupe.effects.outbox import Outgoing
 

@@ -11,12 +11,13 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context
+from dedupe.claims.records import Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.observability.activity import Activity
 from dedupe.operations.claims import ClaimAdmin
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
-from dedupe.transport import Action, Reason, dead_letter_headers
+from dedupe.transport import Action, dead_letter_headers
 
 CH = "orders"
 FIRST = b'{"n": 1, "amount": 1000, "note": "card 4242", "sent_at": "10:00"}'

@@ -8,8 +8,8 @@ import hashlib
 
 import pytest
 
+from dedupe.claims.records import Reason
 from dedupe.testing import Recorder, TestRun, check_exactly_once
-from dedupe.transport import Reason
 from handlers import payments
 from handlers.provider import ProviderUnavailable
 from tests.conftest import ADMIN_URL

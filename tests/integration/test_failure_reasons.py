@@ -10,11 +10,12 @@ from pydantic import BaseModel
 
 from dedupe import App
 from dedupe.claims.database import migrate
-from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.records import ClaimRequest, Fence, Reason
+from dedupe.claims.store import ClaimStore
 from dedupe.operations.claims import ClaimAdmin
 from dedupe.pipeline.processor import Processor
-from dedupe.testing.memory import MemoryDelivery, make_message
-from dedupe.transport import Action, Reason
+from dedupe.testing.deliveries import MemoryDelivery, make_message
+from dedupe.transport import Action
 
 CH = "work"
 

@@ -13,10 +13,11 @@ from pydantic import BaseModel
 
 from dedupe import App, Context
 from dedupe.claims.fingerprints import KEEP_PAYLOAD_MAX_BYTES
-from dedupe.claims.store import ClaimRequest, ClaimStore
+from dedupe.claims.records import ClaimRequest, Reason
+from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
-from dedupe.transport import Action, Reason, Settlement
+from dedupe.transport import Action, Settlement
 
 CH = "orders"
 

@@ -13,11 +13,12 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context
+from dedupe.claims.records import Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
-from dedupe.transport import Action, Reason
+from dedupe.transport import Action
 from tests.conftest import eventually
 
 CH = "rows"

@@ -13,10 +13,11 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context
-from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.records import ClaimRequest, Fence, Reason
+from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
-from dedupe.transport import Action, Reason
+from dedupe.transport import Action
 from tests.conftest import eventually, running
 from tests.integration.brokers import Broker
 

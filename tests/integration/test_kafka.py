@@ -19,7 +19,8 @@ from pydantic import BaseModel
 
 import dedupe_kafka as kafka
 from dedupe import App, Context
-from dedupe.claims.store import ClaimRequest, ClaimStore, Fence
+from dedupe.claims.records import ClaimRequest, Fence
+from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
 from dedupe_kafka.publisher import KafkaPublisher
 from dedupe_kafka.transport import KafkaTransport

@@ -11,7 +11,8 @@ import httpx
 from pydantic import BaseModel
 
 from dedupe import App, Context
-from dedupe.claims.store import ClaimRequest, ClaimStore
+from dedupe.claims.records import ClaimRequest
+from dedupe.claims.store import ClaimStore
 from dedupe.observability.metrics import Metrics
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message

@@ -14,13 +14,14 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context
-from dedupe.claims.store import ClaimRequest, ClaimStore
+from dedupe.claims.records import ClaimRequest, Reason
+from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import MAX_RESULT_BYTES
 from dedupe.effects.run_effects import _NAMESPACE, StepError
 from dedupe.pipeline.processor import Processor
 from dedupe.sql import queries
 from dedupe.testing.deliveries import MemoryDelivery, make_message
-from dedupe.transport import Action, Publisher, Reason
+from dedupe.transport import Action, Publisher
 from dedupe_kafka import KafkaPublisher
 from dedupe_rabbitmq.publisher import RabbitMQPublisher
 from tests.conftest import delete_channel_everywhere, eventually, running

@@ -17,8 +17,9 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context, Reject
-from dedupe.claims.store import ClaimRequest, ClaimStore
-from dedupe.transport import Action, Reason, Settlement, dlq_name
+from dedupe.claims.records import ClaimRequest, Reason
+from dedupe.claims.store import ClaimStore
+from dedupe.transport import Action, Settlement, dlq_name
 from dedupe_rabbitmq.topology import declare_channel, delay_name
 from dedupe_rabbitmq.transport import RabbitDelivery, RabbitMQTransport
 from tests.conftest import eventually, running

@@ -32,7 +32,8 @@ from starlette.routing import Mount
 
 import dedupe_rabbitmq as rabbitmq
 from dedupe import App
-from dedupe.claims.store import ClaimRequest, ClaimStore
+from dedupe.claims.records import ClaimRequest
+from dedupe.claims.store import ClaimStore
 from dedupe.webhooks import api_key, env, github
 from dedupe_kafka.publisher import KafkaPublisher
 from dedupe_kafka.transport import KafkaTransport

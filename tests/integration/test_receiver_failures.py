@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from dedupe import App
-from dedupe.claims.store import Claim, ClaimRequest, ClaimStore
+from dedupe.claims.records import Claim, ClaimRequest
+from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError
 from dedupe.message import Headers
 from dedupe.webhooks import Verified

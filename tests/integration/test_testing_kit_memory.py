@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 from pydantic import BaseModel
 
 from dedupe import App, Context, Reject, Worker
+from dedupe.claims.records import Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
 from dedupe.testing.memory import MemoryBroker, MemoryTransport
-from dedupe.transport import Reason
 
 CH = "orders"
 

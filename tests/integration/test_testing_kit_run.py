@@ -10,8 +10,8 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context, Message, Reject
+from dedupe.claims.records import Reason
 from dedupe.testing import Recorder, TestRun, current_run
-from dedupe.transport import Reason
 from tests.conftest import ADMIN_URL
 
 SCHEMA = "CREATE TABLE charges (payment_id text NOT NULL, amount_cents int NOT NULL)"

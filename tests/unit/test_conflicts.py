@@ -7,8 +7,9 @@ import json
 
 from dedupe.claims.conflicts import MAX_CHANGES, ConflictReport, json_diff, report
 from dedupe.claims.fingerprints import RAW, Fingerprint, claim_request, compile_fingerprint
+from dedupe.claims.records import Reason
 from dedupe.testing.deliveries import make_message
-from dedupe.transport import Action, Reason, Settlement, dead_letter_headers
+from dedupe.transport import Action, Settlement, dead_letter_headers
 
 
 def conflict(

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dedupe.transport import ACK, Action, Delivery, Reason, Settlement
+from dedupe.claims.records import Reason
+from dedupe.transport import ACK, Action, Delivery, Settlement
 from dedupe_kafka.partition import KafkaDelivery, PartitionWork, to_message
 
 

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from dedupe.transport import ACK, Action, Delivery, Reason, Settlement
+from dedupe.claims.records import Reason
+from dedupe.transport import ACK, Action, Delivery, Settlement
 from dedupe_kafka import partition as kp
 from dedupe_kafka.partition import KafkaDelivery, PartitionWork
 from tests.unit.test_kafka_partition import TP, Record

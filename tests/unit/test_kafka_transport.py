@@ -15,7 +15,8 @@ from aiokafka.errors import (
     PolicyViolationError,
 )
 
-from dedupe.transport import BODY_DROPPED_HEADER, Action, Reason, Settlement
+from dedupe.claims.records import Reason
+from dedupe.transport import BODY_DROPPED_HEADER, Action, Settlement
 from dedupe_kafka.partition import PartitionWork
 from dedupe_kafka.transport import KafkaTransport
 

@@ -9,7 +9,8 @@ import pydantic
 import pytest
 
 from dedupe.errors import ConfigurationError
-from dedupe.plugins import SERVERS, TRANSPORTS, server, transport_plugin
+from dedupe.plugins import server, transport_plugin
+from dedupe.registry import SERVERS, TRANSPORTS
 from dedupe.settings import Settings
 from dedupe_kafka.transport import KafkaTransport
 from dedupe_rabbitmq.publisher import RabbitMQPublisher

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dedupe.claims.records import Reason
 from dedupe.operations.replay import ReplayPolicy, describe
 from dedupe.transport import (
     BODY_DROPPED_HEADER,
@@ -11,7 +12,6 @@ from dedupe.transport import (
     KEY_HEADER,
     REASON_HEADER,
     SCOPE_HEADER,
-    Reason,
 )
 
 

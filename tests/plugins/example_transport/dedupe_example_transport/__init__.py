@@ -25,8 +25,8 @@ from urllib.parse import unquote, urlsplit
 
 from dedupe.errors import ConfigurationError
 from dedupe.message import Headers, Message
-from dedupe.operations.replay import ReplayPolicy, describe
-from dedupe.plugins import BrokerAdmin, Messages, Release, UrlOption
+from dedupe.operations.replay import Release, ReplayPolicy, describe
+from dedupe.plugins import BrokerAdmin, Messages, UrlOption
 from dedupe.settings import Settings
 from dedupe.transport import (
     Action,
