@@ -107,3 +107,37 @@ def test_the_low_packages_import_nothing_above_them(package: str, allowed: set[s
         if room(name) not in {package, *allowed}
     }
     assert above == set()
+
+
+def test_only_a_package_face_hands_on_names_it_does_not_define() -> None:
+    """No re-export shims: outside `__init__.py`, `__all__` lists what the module defines and
+    no import is written `X as X` to be handed on."""
+    shims = []
+    for path in modules():
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        defined = {
+            node.name
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        } | {
+            target.id
+            for node in tree.body
+            if isinstance(node, ast.Assign | ast.AnnAssign)
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Name)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                shims += [
+                    f"{module_name(path)}: {a.name} as {a.asname}"
+                    for a in node.names
+                    if a.asname == a.name
+                ]
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                listed = {e.value for e in getattr(node.value, "elts", [])}
+                shims += [f"{module_name(path)}: __all__ {n}" for n in sorted(listed - defined)]
+    assert shims == []
