@@ -191,25 +191,27 @@ class Receiver:
         limit = body_limit(source, self.message_limit)
         try:
             body = await read_body(request, limit)
-        except BodyTooLarge as exc:
-            # Past the discard bound, close: uvicorn would read and drop the rest itself,
-            # however much the client sends.
-            return problem(
-                413,
-                "payload-too-large",
-                "Payload too large",
-                f"the body is over {limit} bytes",
-                headers=None if exc.drained else {"Connection": "close"},
-            )
-        except BadContentLength:
-            return problem(
-                400, "bad-request", "Bad request", "Content-Length is not a decimal byte count"
-            )
-        except ClientDisconnect:
-            return problem(400, "bad-request", "Bad request", "the client went away")
+        except (BodyTooLarge, BadContentLength, ClientDisconnect) as exc:
+            return _body_refused(exc, limit)
         try:
             identity = source.identify(headers, body)
-        except VerificationFailed as exc:
+        except (VerificationFailed, KeyMissing, ConfigurationError) as exc:
+            return self._unidentified(source, exc)
+        forward = forwarded_headers(headers, source, identity)
+        if header_list_bytes(forward) > MAX_FORWARDED_HEADER_BYTES:
+            return problem(
+                431,
+                "headers-too-large",
+                "Request header fields too large",
+                f"the headers to forward are over {MAX_FORWARDED_HEADER_BYTES} bytes "
+                "(name + value + 32 per header)",
+            )
+        return await self._claim(source, identity, forward, body)
+
+    def _unidentified(self, source: WebhookSource, exc: Exception) -> Response:
+        """The answer to a request `source` cannot identify: unauthenticated (401), without
+        a key (400), or a source that cannot verify at all (500)."""
+        if isinstance(exc, VerificationFailed):
             self.stats["unauthenticated"] += 1
             logger.info(
                 "webhook %s: 401 (%s)",
@@ -225,26 +227,15 @@ class Receiver:
                 str(exc),
                 headers={"WWW-Authenticate": challenge} if challenge else None,
             )
-        except KeyMissing as exc:
+        if isinstance(exc, KeyMissing):
             return problem(400, "missing-key", "Missing idempotency key", str(exc))
-        except ConfigurationError as exc:
-            logger.error(
-                "webhook %s cannot verify requests: %s",
-                source.name,
-                exc,
-                extra=log_fields(source, None, "misconfigured"),
-            )
-            return problem(500, "misconfigured", "Receiver misconfigured", source.name)
-        forward = forwarded_headers(headers, source, identity)
-        if header_list_bytes(forward) > MAX_FORWARDED_HEADER_BYTES:
-            return problem(
-                431,
-                "headers-too-large",
-                "Request header fields too large",
-                f"the headers to forward are over {MAX_FORWARDED_HEADER_BYTES} bytes "
-                "(name + value + 32 per header)",
-            )
-        return await self._claim(source, identity, forward, body)
+        logger.error(
+            "webhook %s cannot verify requests: %s",
+            source.name,
+            exc,
+            extra=log_fields(source, None, "misconfigured"),
+        )
+        return problem(500, "misconfigured", "Receiver misconfigured", source.name)
 
     # -- claim, publish, store (consumers/dedupe_receiver/intake.py) ------------------------------
 
@@ -266,6 +257,26 @@ class Receiver:
             store_timeout_s=self.store_timeout_s,
         )
         return await intake.claim(source, identity, forward, body)
+
+
+def _body_refused(exc: Exception, limit: int) -> Response:
+    """The answer to a body not taken: over `limit` (413), a bad Content-Length or a client
+    gone (400)."""
+    if isinstance(exc, BodyTooLarge):
+        # Past the discard bound, close: uvicorn would read and drop the rest itself,
+        # however much the client sends.
+        return problem(
+            413,
+            "payload-too-large",
+            "Payload too large",
+            f"the body is over {limit} bytes",
+            headers=None if exc.drained else {"Connection": "close"},
+        )
+    if isinstance(exc, BadContentLength):
+        return problem(
+            400, "bad-request", "Bad request", "Content-Length is not a decimal byte count"
+        )
+    return problem(400, "bad-request", "Bad request", "the client went away")
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:

@@ -179,6 +179,8 @@ class Intake:
         forward: dict[str, str],
         body: bytes,
     ) -> Response:
+        """Publish with the broker's confirm and store the reply; a failed publish gives the
+        key back."""
         fence = ours.fence
         try:
             async with asyncio.timeout(self.publish_timeout_s):
@@ -190,36 +192,57 @@ class Intake:
             raise
         except Exception as exc:
             await self._give_back(fence, ours.attempts)
-            if too_large_for_broker(exc):
-                self.stats["broker_refused"] += 1
-                logger.info(
-                    "webhook %s: the broker refused key %s for its size (%s): 413",
-                    source.name,
-                    fence.key,
-                    exc.__class__.__name__,
-                    extra=log_fields(source, identity, "broker_refused"),
-                )
-                return problem(
-                    413,
-                    "payload-too-large",
-                    "Payload too large",
-                    "the broker refuses a message this large (body and headers)",
-                )
-            self.stats["broker_unavailable"] += 1
-            logger.warning(
-                "webhook %s: publishing to %s failed (%s: %s); key %s released for the "
-                "sender's retry",
-                source.name,
-                source.channel,
-                exc.__class__.__name__,
-                exc,
-                fence.key,
-                extra=log_fields(source, identity, "broker_unavailable"),
-            )
-            return respond(
-                unavailable("the broker did not confirm the message", slug="broker-unavailable")
-            )
+            return self._not_published(source, identity, fence, exc)
         reply = accepted(source, identity)
+        await self._store_reply(source, identity, fence, reply)
+        self.stats["accepted"] += 1
+        logger.debug(
+            "webhook %s: accepted key %s -> %s",
+            source.name,
+            fence.key,
+            source.channel,
+            extra=log_fields(source, identity, "accepted"),
+        )
+        return reply.response()
+
+    def _not_published(
+        self, source: WebhookSource, identity: Identity, fence: Fence, exc: Exception
+    ) -> Response:
+        """The answer to a publish the broker did not confirm: 413 for a message too large for
+        it (every retry would fail), else 503 (the key is free for the sender's retry)."""
+        if too_large_for_broker(exc):
+            self.stats["broker_refused"] += 1
+            logger.info(
+                "webhook %s: the broker refused key %s for its size (%s): 413",
+                source.name,
+                fence.key,
+                exc.__class__.__name__,
+                extra=log_fields(source, identity, "broker_refused"),
+            )
+            return problem(
+                413,
+                "payload-too-large",
+                "Payload too large",
+                "the broker refuses a message this large (body and headers)",
+            )
+        self.stats["broker_unavailable"] += 1
+        logger.warning(
+            "webhook %s: publishing to %s failed (%s: %s); key %s released for the sender's retry",
+            source.name,
+            source.channel,
+            exc.__class__.__name__,
+            exc,
+            fence.key,
+            extra=log_fields(source, identity, "broker_unavailable"),
+        )
+        return respond(
+            unavailable("the broker did not confirm the message", slug="broker-unavailable")
+        )
+
+    async def _store_reply(
+        self, source: WebhookSource, identity: Identity, fence: Fence, reply: Reply
+    ) -> None:
+        """Complete the claim with the reply to replay; a failure is logged, not answered."""
         try:
             async with asyncio.timeout(self.store_timeout_s):
                 await self.store.complete([(fence, reply.to_result(), source.retention_s)])
@@ -234,15 +257,6 @@ class Intake:
                 exc,
                 extra=log_fields(source, identity, "reply_not_stored"),
             )
-        self.stats["accepted"] += 1
-        logger.debug(
-            "webhook %s: accepted key %s -> %s",
-            source.name,
-            fence.key,
-            source.channel,
-            extra=log_fields(source, identity, "accepted"),
-        )
-        return reply.response()
 
     async def _give_back(self, fence: Fence, attempt: int) -> None:
         """Release the key at once, so the sender's retry takes it over without waiting."""

@@ -254,33 +254,16 @@ class IdempotencyMiddleware:
         body: bytes,
         tally: _Tally,
     ) -> tuple[str, str | None]:
+        """Run the endpoint under the key's claim, or answer for the claim held elsewhere."""
         store = await self._store_or_none()
         if store is None or self._claims is None or self._leases is None:
             return await answer(send, db_down(), "unavailable")
-        verdict = await self._claim(request, first=True)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.wait_s
-        pause = WAIT_FIRST_S
-        while isinstance(verdict, InFlight) and loop.time() + pause <= deadline:
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, WAIT_MAX_S)
-            verdict = await self._claim(request, first=False)
+        verdict = await self._claim_or_wait(request)
         if not isinstance(verdict, Ours):
             return await answer_for(send, request, verdict, self._activity)
         attempt = verdict.attempts
         if verdict.taken_over or verdict.handed_back:
-            # A re-run (after a crash, a 5xx or an operator's release): counted before it runs.
-            try:
-                async with asyncio.timeout(STORE_TIMEOUT_S):
-                    counted = await self._claims.store.record_attempt(
-                        verdict.fence,
-                        attempt=attempt + 1,
-                        error=None,
-                        lease_s=self.terms.lease_s,
-                    )
-            except (StoreError, TimeoutError) as exc:
-                logger.warning("key %s: counting the attempt failed: %s", request.key, exc)
-                counted = attempt + 1
+            counted = await self._count_rerun(self._claims, verdict, request)
             if counted is None:
                 return await answer(send, in_flight(), "in_flight")
             attempt = counted
@@ -300,19 +283,8 @@ class IdempotencyMiddleware:
         scope.setdefault("state", {})["idempotency"] = Idempotency(
             db=db, key=request.key, scope=request.scope, attempt=attempt, effects=run.effects
         )
-        sent = False
-
-        async def replaying() -> ASGIMessage:
-            # The body was read to fingerprint it: the endpoint gets it again, then the rest
-            # of the conversation (a disconnect) as the server tells it.
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         try:
-            await run(scope, replaying)
+            await run(scope, _body_first(body, receive))
         finally:
             # Also when the endpoint raised: its exception goes on to the server.
             tally.outcome, tally.route = run.outcome, run.route
@@ -323,6 +295,34 @@ class IdempotencyMiddleware:
                     extra={"scope": request.scope, "key": request.key, "outcome": run.outcome},
                 )
         return run.outcome, run.route
+
+    async def _claim_or_wait(self, request: ClaimRequest) -> Verdict:
+        """Claim the key; one still running is asked again, at growing pauses, for up to
+        wait_s."""
+        verdict = await self._claim(request, first=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        pause = WAIT_FIRST_S
+        while isinstance(verdict, InFlight) and loop.time() + pause <= deadline:
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, WAIT_MAX_S)
+            verdict = await self._claim(request, first=False)
+        return verdict
+
+    async def _count_rerun(self, claims: Claims, ours: Ours, request: ClaimRequest) -> int | None:
+        """A re-run (after a crash, a 5xx or an operator's release) is counted before it runs:
+        its attempt number, or None when the key is no longer ours."""
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                return await claims.store.record_attempt(
+                    ours.fence,
+                    attempt=ours.attempts + 1,
+                    error=None,
+                    lease_s=self.terms.lease_s,
+                )
+        except (StoreError, TimeoutError) as exc:
+            logger.warning("key %s: counting the attempt failed: %s", request.key, exc)
+            return ours.attempts + 1
 
     async def _claim(self, request: ClaimRequest, *, first: bool) -> Verdict:
         assert self._claims is not None
@@ -365,6 +365,21 @@ class _Tally:
     def __init__(self) -> None:
         self.outcome = "refused"
         self.route: str | None = None
+
+
+def _body_first(body: bytes, receive: Receive) -> Receive:
+    """The endpoint's receive: the body, read already to fingerprint it, then the rest of the
+    conversation (a disconnect) as the server tells it."""
+    sent = False
+
+    async def replaying() -> ASGIMessage:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replaying
 
 
 async def _cancelled(task: asyncio.Task[None]) -> None:
