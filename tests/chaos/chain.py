@@ -95,8 +95,15 @@ async def wait_chain_drained(
         ):
             return time.monotonic() - began
         await asyncio.sleep(0.25)
+    # What holds the unsent rows back: a refusal's backoff (attempts, due in how long) or not.
+    unsent = await probe.fetch(
+        "SELECT channel, attempts, last_error,"
+        " round(extract(epoch FROM next_try_at - now())::numeric, 1) AS due_in_s"
+        " FROM dedupe_outbox WHERE sent_at IS NULL ORDER BY id LIMIT 5"
+    )
     raise AssertionError(
-        f"the chain did not drain within {within_s:.0f}s of the last fault: {state}"
+        f"the chain did not drain within {within_s:.0f}s of the last fault: {state}; "
+        f"unsent rows: {[dict(r) for r in unsent]}"
     )
 
 
