@@ -18,6 +18,10 @@ class StoreError(DedupeError):
     """The claim store (PostgreSQL) could not be reached or refused a statement."""
 
 
+class BrokerUnavailable(DedupeError):
+    """The broker could not be reached: nothing was published (not a refusal of the message)."""
+
+
 class LeaseLost(DedupeError):
     """Another worker took this key over; this run's writes were rolled back."""
 

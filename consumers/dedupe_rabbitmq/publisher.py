@@ -15,7 +15,7 @@ from aio_pika.abc import (
 )
 
 from dedupe.claims.database import redact
-from dedupe.errors import DedupeError
+from dedupe.errors import BrokerUnavailable, DedupeError
 from dedupe.message import Headers
 from dedupe_rabbitmq.topology import declare_channel
 
@@ -49,7 +49,7 @@ class RabbitMQPublisher:
         self._lock = asyncio.Lock()
         # The last failed connect (when, why): publishes that waited for it fail with it
         # rather than each try again in turn (hundreds in flight, one timeout each).
-        self._failure: tuple[float, DedupeError] | None = None
+        self._failure: tuple[float, BrokerUnavailable] | None = None
 
     def _open(self) -> bool:
         return all(channel is not None and not channel.is_closed for channel in self._channels)
@@ -64,7 +64,7 @@ class RabbitMQPublisher:
                 return
             if self._failure is not None and self._failure[0] >= asked:
                 failed = self._failure[1]
-                raise DedupeError(str(failed)) from failed.__cause__
+                raise BrokerUnavailable(str(failed)) from failed.__cause__
             try:
                 async with asyncio.timeout(self.timeout_s):
                     if self._connection is None or self._connection.is_closed:
@@ -77,7 +77,7 @@ class RabbitMQPublisher:
                             )
             except Exception as exc:
                 await self._discard()
-                error = DedupeError(
+                error = BrokerUnavailable(
                     f"cannot connect to RabbitMQ at {redact(self.url)} ({exc.__class__.__name__})"
                 )
                 self._failure = (time.monotonic(), error)

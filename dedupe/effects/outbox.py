@@ -27,7 +27,7 @@ from dedupe.claims.completion import Completion, complete_in
 from dedupe.claims.database import TRANSIENT_ERRORS
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import storable_text
-from dedupe.errors import StoreError
+from dedupe.errors import BrokerUnavailable, StoreError
 from dedupe.sql import queries
 from dedupe.transport import Publisher
 
@@ -156,6 +156,12 @@ class Relay:
                     if stopped_before or (not moved and not self._stopping):
                         break
                 failures = 0
+            except BrokerUnavailable as exc:
+                # Its rows stay due, uncounted: the relay as a whole waits (at most
+                # interval_s * 32, or the next wake) rather than each row a growing backoff
+                # that would outlast the broker's return.
+                failures = min(failures + 1, 5)
+                logger.warning("outbox relay: %s; trying again", exc)
             except StoreError as exc:
                 failures = min(failures + 1, 5)
                 logger.warning("outbox relay: %s", exc)
@@ -172,7 +178,7 @@ class Relay:
                 rows = list(await conn.fetch(self._q["take"], self.batch))
                 if not rows:
                     return 0, 0
-                sent, refused = await self._publish(rows)
+                sent, refused, unreachable = await self._publish(rows)
                 if sent:
                     await conn.execute(self._q["sent"], sent)
                 for row_id, error in refused:
@@ -183,18 +189,23 @@ class Relay:
             ) from exc
         self.stats.sent += len(sent)
         self.stats.refused += len(refused)
+        if unreachable is not None:  # what was sent is marked; the rest waits for the broker
+            raise unreachable
         return len(rows), len(sent) + len(refused)
 
     async def _publish(
         self, rows: Sequence[asyncpg.Record]
-    ) -> tuple[list[int], list[tuple[int, str]]]:
+    ) -> tuple[list[int], list[tuple[int, str]], BrokerUnavailable | None]:
         """Each producer's rows in order (one at a time, confirmed); producers side by side.
-        A producer stops at its first row not due or refused: its later rows wait for it."""
+        A producer stops at its first row not due or refused: its later rows wait for it.
+        A broker that cannot be reached refuses no row: they stay due (the error is returned)."""
         sent: list[int] = []
         refused: list[tuple[int, str]] = []
+        unreachable: BrokerUnavailable | None = None
         slots = asyncio.Semaphore(self._concurrency)
 
         async def one_producer(chain: list[asyncpg.Record]) -> None:
+            nonlocal unreachable
             async with slots:
                 for row in chain:
                     if not row["due"]:
@@ -209,6 +220,9 @@ class Relay:
                             message_id=row["message_id"],
                             headers=headers,
                         )
+                    except BrokerUnavailable as exc:
+                        unreachable = exc
+                        return
                     except asyncio.CancelledError as exc:
                         task = asyncio.current_task()
                         if task is not None and task.cancelling():
@@ -235,7 +249,7 @@ class Relay:
         for row in rows:  # in id order: each producer's chain in publish order
             by_producer.setdefault(row["producer"], []).append(row)
         await asyncio.gather(*(one_producer(chain) for chain in by_producer.values()))
-        return sent, refused
+        return sent, refused, unreachable
 
 
 def _error(exc: BaseException) -> str:

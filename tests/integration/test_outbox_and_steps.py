@@ -18,6 +18,7 @@ from dedupe.claims.records import ClaimRequest, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import MAX_RESULT_BYTES
 from dedupe.effects.run_effects import _NAMESPACE, StepError
+from dedupe.errors import BrokerUnavailable
 from dedupe.pipeline.processor import Processor
 from dedupe.sql import queries
 from dedupe.testing.deliveries import MemoryDelivery, make_message
@@ -314,6 +315,49 @@ async def test_a_publish_cancelled_by_its_client_is_a_refusal_not_the_end_of_the
 
         await eventually(sent, timeout_s=5)
     assert relay.stats.refused == 1
+
+
+class UnreachableBroker(Recording):
+    """A broker that cannot be reached for a while (a restart), then takes everything."""
+
+    def __init__(self, down_for: int) -> None:
+        super().__init__()
+        self.down_for = down_for
+        self.tries = 0
+
+    async def publish(
+        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
+    ) -> None:
+        self.tries += 1
+        if self.tries <= self.down_for:
+            raise BrokerUnavailable("cannot connect to the broker (simulated)")
+        await super().publish(channel, body, message_id=message_id, headers=headers)
+
+
+async def test_a_broker_that_cannot_be_reached_refuses_no_row_and_costs_no_row_a_backoff(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """While the broker is down the rows stay due and uncounted (before, each try was a
+    refusal: seven tries during a restart put the row 32 s, then 60 s, past the broker's
+    return); the relay backs off as a whole and sends them once the broker is back."""
+    from dedupe.claims.completion import add_to_outbox
+    from dedupe.effects.outbox import Outgoing, Relay
+
+    async with store.pool.acquire() as conn, conn.transaction():
+        await add_to_outbox(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
+    publisher = UnreachableBroker(down_for=7)
+    async with Relay(store.pool, publisher, interval_s=0.01) as relay:
+        relay.wake()
+
+        async def sent() -> bool:
+            return len(publisher.sent) == 1
+
+        await eventually(sent, timeout_s=5)
+    assert publisher.tries == 8
+    assert relay.stats.refused == 0
+    row = await orders.fetchrow("SELECT attempts, last_error, sent_at FROM dedupe_outbox")
+    assert row is not None
+    assert (row["attempts"], row["last_error"]) == (0, None) and row["sent_at"] is not None
 
 
 async def test_runs_that_only_publish_share_their_completion_transactions(
