@@ -23,7 +23,7 @@ import asyncpg
 from dedupe.claims.database import TRANSIENT_ERRORS
 from dedupe.claims.records import Fence, KeyId
 from dedupe.claims.store import ClaimStore
-from dedupe.claims.values import storable_text
+from dedupe.claims.values import storable_error
 from dedupe.errors import StoreError
 from dedupe.sql import queries
 
@@ -98,7 +98,7 @@ async def complete_in(
         for retention_s, rows in by_retention.items():
             await add_to_outbox(conn, rows, retention_s=retention_s)
     except (asyncpg.PostgresError, *TRANSIENT_ERRORS) as exc:
-        raise StoreError(f"storing the run's publishes failed: {_described(exc)}") from exc
+        raise StoreError(f"storing the run's publishes failed: {storable_error(exc)}") from exc
     return done
 
 
@@ -120,15 +120,10 @@ async def complete_in_transaction(
         except asyncpg.IntegrityConstraintViolationError:
             raise
         except Exception as exc:
-            raise StoreError(f"the commit failed: {_described(exc)}") from exc
+            raise StoreError(f"the commit failed: {storable_error(exc)}") from exc
         return True
     finally:
         await tx.close()  # rolls back what did not commit; a later use of ctx.db raises
-
-
-def _described(exc: BaseException) -> str:
-    text = storable_text(str(exc), 300)
-    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
 
 
 __all__ = [

@@ -84,6 +84,15 @@ def storable_text(value: str, limit: int | None = None) -> str:
     return _UNSTORABLE_CHARS.sub("\ufffd", value)
 
 
+def storable_error(exc: BaseException, limit: int = 300) -> str:
+    """An error as one storable line: its class and (the start of) its message."""
+    try:
+        text = storable_text(str(exc), limit)
+    except Exception:  # an exception whose str() fails
+        text = ""
+    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+
+
 def _keep_escaped_backslashes(match: re.Match[str]) -> str:
     slashes = match.group(1)
     if len(slashes) % 2 == 0:  # "\\u0000": an escaped backslash, then the text "u0000"
@@ -206,6 +215,7 @@ __all__ = [
     "dropped_result",
     "encode_result",
     "step_json",
+    "storable_error",
     "storable_json",
     "storable_text",
 ]

@@ -178,9 +178,8 @@ class Claims:
     """Claims keys in statements shared by concurrent callers, and reads their verdicts.
 
     Per name (a handler, a webhook source), whatever arrives while a claim statement is in
-    flight goes out together in the next one (dedupe.claims.batching); a key present twice in one
-    flush
-    goes in a later statement, where it meets the first one's claim.
+    flight goes out together in the next one (dedupe.claims.batching); a key present twice in
+    one flush goes in a later statement, where it meets the first one's claim.
     """
 
     def __init__(self, store: ClaimStore) -> None:

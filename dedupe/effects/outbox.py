@@ -26,7 +26,7 @@ from dedupe.claims.batching import Batcher
 from dedupe.claims.completion import Completion, complete_in
 from dedupe.claims.database import TRANSIENT_ERRORS
 from dedupe.claims.store import ClaimStore
-from dedupe.claims.values import storable_text
+from dedupe.claims.values import storable_error
 from dedupe.errors import BrokerUnavailable, StoreError
 from dedupe.sql import queries
 from dedupe.transport import Publisher
@@ -229,12 +229,12 @@ class Relay:
                             raise  # the relay itself is stopped
                         # A client that cancels its pending confirms when the connection
                         # drops: a refusal, not the end of the relay.
-                        refused.append((row["id"], _error(exc)))
+                        refused.append((row["id"], storable_error(exc, 500)))
                         return
                     except Exception as exc:
                         # Anything else, here, fails this producer's row alone: no sibling
                         # is left publishing on a round that is rolled back.
-                        error = _error(exc)
+                        error = storable_error(exc, 500)
                         logger.warning(
                             "outbox relay: %s refused message %s (%s); trying again later",
                             row["channel"],
@@ -250,14 +250,6 @@ class Relay:
             by_producer.setdefault(row["producer"], []).append(row)
         await asyncio.gather(*(one_producer(chain) for chain in by_producer.values()))
         return sent, refused, unreachable
-
-
-def _error(exc: BaseException) -> str:
-    try:
-        text = f"{exc.__class__.__name__}: {exc}"
-    except Exception:  # an exception whose str() fails
-        text = exc.__class__.__name__
-    return storable_text(text, 500)
 
 
 async def backlog(pool: asyncpg.Pool | asyncpg.Connection) -> dict[str, Any]:

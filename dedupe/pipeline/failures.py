@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dedupe.claims.values import storable_text
+from dedupe.claims.values import storable_error
 from dedupe.errors import DedupeError, Retry
 
 if TYPE_CHECKING:
@@ -17,8 +17,7 @@ def describe(exc: BaseException | None) -> str:
         return "unknown error"
     if isinstance(exc, TimeoutError):
         return "TimeoutError: handler timed out"
-    text = storable_text(str(exc), 300)
-    return f"{exc.__class__.__name__}: {text}" if text else exc.__class__.__name__
+    return storable_error(exc)
 
 
 def transient(handler: Handler, exc: BaseException) -> bool:

@@ -2,11 +2,9 @@
 
 A key's way: the transport hands a batch to `Processor.process`; each message's claim request is
 derived once per handler (dedupe.claims.verdicts.request_for) and claimed with the batch's others
-in a
-shared statement (dedupe.claims.verdicts.Claims); the claims that are ours are held and heartbeated
-(dedupe.claims.leases) until a runner task runs them (dedupe.pipeline.runs); every outcome is
-concluded into the
-one settlement the delivery gets (dedupe.pipeline.outcomes).
+in a shared statement (dedupe.claims.verdicts.Claims); the claims that are ours are held and
+heartbeated (dedupe.claims.leases) until a runner task runs them (dedupe.pipeline.runs); every
+outcome is concluded into the one settlement the delivery gets (dedupe.pipeline.outcomes).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Webhook sources: how a request is verified, keyed and forwarded, pure of HTTP.
 
 A source's verifier (dedupe.webhooks.verifiers) checks the signature or credential and says which
-idempotency key and tenant the request
-carries; the source scopes that key. The receiver (`consumers/dedupe_receiver/application.py`)
-claims it in the
-same claims table the workers use.
+idempotency key and tenant the request carries; the source scopes that key. The receiver
+(`consumers/dedupe_receiver/application.py`) claims it in the same claims table the workers use.
 """
 
 from __future__ import annotations
