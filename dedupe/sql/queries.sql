@@ -33,6 +33,16 @@ claimed AS (
            nextval('dedupe_claim_tokens'), $4, 1,
            now() + make_interval(secs => $5), now() + make_interval(secs => $6), $7::bigint
     FROM input
+    -- A key whose row no claim can take (completed, failed for good, or held under a live
+    -- lease) is answered from the read below and never reaches the upsert: a batch of
+    -- duplicates locks no row, takes no transaction id, writes no WAL and waits for no flush.
+    -- The read sees the statement's snapshot; a row that changed since is met by ON CONFLICT
+    -- and its WHERE exactly as before.
+    WHERE NOT EXISTS (
+        SELECT FROM dedupe_claims f
+         WHERE f.scope = input.scope AND f.key = input.key
+           AND (f.status = 'completed' OR (f.status = 'failed' AND NOT f.retryable)
+                OR (f.status = 'in_progress' AND f.lease_until >= now())))
     ORDER BY scope, key
     ON CONFLICT (scope, key) DO UPDATE
         SET token = nextval('dedupe_claim_tokens'), owner = EXCLUDED.owner,
