@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -129,9 +129,9 @@ class ClaimStore:
                 float(lease_s),
                 float(retention_s),
                 request_id,
-                [r.fingerprint for r in batch],
-                [r.raw_hash for r in batch],
-                [r.payload for r in batch],
+                _column(r.fingerprint for r in batch),
+                _column(r.raw_hash for r in batch),
+                _column(r.payload for r in batch),
             )
 
         rows, refused = await self._each(requests, send)
@@ -348,6 +348,13 @@ class ClaimStore:
     async def show_claim(self, scope: str, key: str) -> dict[str, Any] | None:
         rows = await self._fetch("show_claim", scope, key)
         return dict(rows[0]) if rows else None
+
+
+def _column(values: Iterable[T | None]) -> list[T | None] | None:
+    """An array parameter, or NULL when every value is: a batch of raw payloads without kept
+    bytes sends no arrays of NULLs (unnest pads a NULL array with NULLs, row for row)."""
+    column = list(values)
+    return column if any(v is not None for v in column) else None
 
 
 def _claim_of(row: asyncpg.Record) -> Claim:
