@@ -56,11 +56,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False, slots=True)
 class _Planned:
-    """A message's outcome under one handler, to await: a run, a verdict, or a settled one."""
+    """A message's outcome under one handler: settled from its verdict, or a run to await."""
 
-    outcome: Awaitable[Outcome]
+    outcome: Awaitable[Outcome] | None  # None: settled
     ticket: Ticket | None = None  # None: settled before any claim (no key)
     lease: Lease | None = None  # our claim, held until a runner takes it
+    settled: Settlement | None = None  # a verdict's outcome that needs no run
 
 
 _Work = collections.deque[tuple[Delivery, list[_Planned]]]
@@ -191,20 +192,31 @@ class Processor:
             # A bug, not a message problem: give the batch back rather than leave it unsettled.
             logger.exception("unexpected error while claiming a batch; requeueing it")
             for planned in (planned for plan in plans for planned in plan):
-                if asyncio.iscoroutine(planned.outcome):
+                if planned.outcome is not None and asyncio.iscoroutine(planned.outcome):
                     planned.outcome.close()
                     if planned.lease is not None:
                         await self.leases.release(planned.lease)
             for delivery in deliveries:
                 await self.outcomes.conclude(delivery, [REQUEUE_INTERNAL])
             return
-        # A few runner tasks work through the batch, not one task per message (a task per
-        # message parked hundreds of them on the concurrency slots); a run whose handler is
-        # done queues its completion and the runner moves on: the batch's concluder finishes
-        # the message once its completion statement commits.
-        work: _Work = collections.deque(
-            (delivery, [plan[i] for plan in plans]) for i, delivery in enumerate(deliveries)
-        )
+        # A message whose every outcome came with its verdict (a duplicate, a conflict, a key
+        # in flight elsewhere, no key) is settled right here, from its claim row: no runner,
+        # task or future of its own. The others go to a few runner tasks that work through
+        # the batch, not one task per message (a task per message parked hundreds of them on
+        # the concurrency slots); a run whose handler is done queues its completion and the
+        # runner moves on: the batch's concluder finishes the message once its completion
+        # statement commits.
+        work: _Work = collections.deque()
+        settled: list[tuple[Delivery, list[_Planned]]] = []
+        for i, delivery in enumerate(deliveries):
+            mine = [plan[i] for plan in plans]
+            if all(p.outcome is None for p in mine):
+                settled.append((delivery, mine))
+                continue
+            work.append((delivery, mine))
+        if not work:
+            await self._settle(settled)
+            return
         batch = _Batch(work, Completions())
         batch.runners = [
             asyncio.create_task(self._work_through(work, batch.completions))
@@ -214,6 +226,7 @@ class Processor:
         self._inflight.update([*batch.runners, concluder])
         self._batches.add(batch)
         try:
+            await self._settle(settled)
             awaited = 0
             while awaited < len(batch.runners):  # drain may add a runner meanwhile
                 runners = batch.runners[awaited:]
@@ -247,7 +260,7 @@ class Processor:
                 keep_payload=handler.keep_payload,
             )
             if isinstance(request, Unclaimable):
-                planned[i] = _Planned(_ready(dead_letter(request.reason, request.detail)))
+                planned[i] = _Planned(None, settled=dead_letter(request.reason, request.detail))
                 continue
             ticket = Ticket(handler, message, request, started)
             ident = request.ident
@@ -265,25 +278,42 @@ class Processor:
                 "claim failed, requeueing %d messages: %s", len(messages), verdicts[0].error
             )
             requeue = store_unavailable(verdicts[0].error)
-            return [p or _Planned(_ready(requeue)) for p in planned]
+            return [p or _Planned(None, settled=requeue) for p in planned]
         self.observer.claimed(handler.name, time.perf_counter() - began, len(tickets))
         awaited = {first for _, first, _ in repeats}
         for (i, ticket), verdict in zip(tickets, verdicts, strict=True):
-            # Held from now on: heartbeated while it waits for a runner, given back at a stop.
-            lease = (
-                self.leases.hold(verdict, lease_s=handler.lease_s)
-                if isinstance(verdict, Ours)
-                else None
-            )
-            outcome: Awaitable[Outcome] = self._decide(ticket, verdict)
+            if isinstance(verdict, Ours):
+                # Held from now on: heartbeated while it waits for a runner, given back at a
+                # stop.
+                lease = self.leases.hold(verdict, lease_s=handler.lease_s)
+                outcome: Awaitable[Outcome] = self.runner.run(ticket, verdict)
+            elif i not in awaited:  # its outcome comes with the verdict
+                planned[i] = _Planned(None, ticket, settled=self.outcomes.of(ticket, verdict))
+                continue
+            else:
+                lease, outcome = None, _ready(self.outcomes.of(ticket, verdict))
             if i in awaited:
                 outcome = self._spawn(outcome)
             planned[i] = _Planned(outcome, ticket, lease)
         for i, first, ticket in repeats:
             first_planned = planned[first]
             assert first_planned is not None
-            planned[i] = _Planned(self._after(first_planned.outcome, ticket), ticket)
+            planned[i] = _Planned(self._after(_awaitable(first_planned), ticket), ticket)
         return [p for p in planned if p is not None]
+
+    async def _settle(self, settled: Sequence[tuple[Delivery, list[_Planned]]]) -> None:
+        """Conclude the messages whose outcomes came with their verdicts."""
+        for delivery, planned in settled:
+            settlements: list[Settlement] = []
+            try:
+                for p in planned:
+                    assert p.settled is not None
+                    self.outcomes.observe(p.ticket, p.settled)
+                    settlements.append(p.settled)
+            except Exception:
+                logger.exception("unexpected error while settling; requeueing the message")
+                settlements = [REQUEUE_INTERNAL]
+            await self.outcomes.conclude(delivery, settlements)
 
     async def _decide(self, ticket: Ticket, verdict: Verdict) -> Outcome:
         """Run the handler on a claim of ours; any other verdict has its outcome at once."""
@@ -327,14 +357,16 @@ class Processor:
         """
         try:
             if len(planned) == 1:
-                settlement = await planned[0].outcome
+                outcome = planned[0].outcome
+                assert outcome is not None  # settled ones never reach a runner
+                settlement = await outcome
                 if isinstance(settlement, Pending):
                     completions.add(delivery, settlement)
                     return
                 self.outcomes.observe(planned[0].ticket, settlement)
                 settlements = [settlement]
             else:
-                running = [asyncio.ensure_future(p.outcome) for p in planned]
+                running = [asyncio.ensure_future(_awaitable(p)) for p in planned]
                 settlements = []
                 for future, p in zip(running, planned, strict=True):
                     result = await future
@@ -392,6 +424,13 @@ class Processor:
             if deleted:
                 self.stats.gc_deleted += deleted
                 logger.info("clean-up removed %d expired claims", deleted)
+
+
+def _awaitable(planned: _Planned) -> Awaitable[Outcome]:
+    if planned.outcome is not None:
+        return planned.outcome
+    assert planned.settled is not None
+    return _ready(planned.settled)
 
 
 def _ready(settlement: Settlement) -> asyncio.Future[Outcome]:
