@@ -121,7 +121,7 @@ async def twin(conn: Any, query: str, args: Sequence[Any]) -> Work:
     await tx.start()
     try:
         before, counted = await position(conn), await tuples(conn)
-        plan = json.loads(await conn.fetchval(EXPLAIN + query, *args))[0]["Plan"]
+        plan = counts(json.loads(await conn.fetchval(EXPLAIN + query, *args))[0]["Plan"])
         xid = await conn.fetchval("SELECT txid_current_if_assigned()")
         after, rows = await position(conn), await tuples(conn)
     finally:
@@ -141,6 +141,29 @@ async def twin(conn: Any, query: str, args: Sequence[Any]) -> Work:
         updated=rows[1] - counted[1],
         hot=rows[2] - counted[2],
     )
+
+
+def counts(top: dict[str, Any]) -> dict[str, int]:
+    """The statement's counts from its plan: the top node's (they include its children's), or
+    the sum of its ModifyTable nodes' where larger: a data-modifying CTE that the query does
+    not read to its end is run to its end after the top node, outside its counts."""
+    keys = (
+        "WAL Bytes",
+        "WAL Records",
+        "WAL FPI",
+        "Shared Hit Blocks",
+        "Shared Read Blocks",
+        "Shared Dirtied Blocks",
+        "Shared Written Blocks",
+    )
+    modify: list[dict[str, Any]] = []
+    nodes = [top]
+    while nodes:
+        node = nodes.pop()
+        if node.get("Node Type") == "ModifyTable":
+            modify.append(node)
+        nodes.extend(node.get("Plans", []))
+    return {k: max(int(top.get(k, 0)), sum(int(m.get(k, 0)) for m in modify)) for k in keys}
 
 
 async def tuples(conn: Any) -> tuple[int, int, int]:
@@ -285,6 +308,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if taken:
                 raise RuntimeError(f"{len(taken)} completed keys were claimed again")
             found += sum(1 for c in claims if c.status == "completed")
+        if found != args.n:
+            raise RuntimeError(f"{args.n - found} of {args.n} duplicates were not found completed")
         spans["duplicate"] = time.perf_counter() - began
         outcomes["duplicate"] = {"claimed": args.n, "found_completed": found}
         meter.keys = 0
