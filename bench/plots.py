@@ -96,14 +96,16 @@ def plot_latency(report: dict[str, Any], path: Path) -> Path | None:
                         zorder=3,
                     )
         raw = [r for r in sorted(points) if (points[r].get("raw") or {}).get("p99_ms")]
-        ax.plot(
-            [_offered(points[r]["raw"], r) for r in raw],
-            [points[r]["raw"]["p99_ms"] + figures.ADDED_P99_MS for r in raw],
-            ":",
-            color=COLORS["target"],
-            lw=2,
-            label="target: raw p99 + 10 ms",
-        )
+        bound = figures.added_p99_bound(report)
+        if bound is not None:
+            ax.plot(
+                [_offered(points[r]["raw"], r) for r in raw],
+                [points[r]["raw"]["p99_ms"] + bound for r in raw],
+                ":",
+                color=COLORS["target"],
+                lw=2,
+                label=f"target: raw p99 + {bound:.1f} ms (2 x commit p99 + 5 ms)",
+            )
         for label, offered in (("half max", halves.get(broker)), ("target 1,000/s", fixed)):
             if offered:
                 ax.axvline(offered, color="0.75", lw=1, zorder=0)
@@ -189,14 +191,17 @@ def _targets(broker: str, rates: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     if f"{broker}-raw/noop" in rates and broker == "rabbit":
         out["rabbit-dedupe/noop"] = figures.RABBIT_NOOP_VS_RAW * rates["rabbit-raw/noop"]
-    if broker == "kafka":
-        out["kafka-dedupe/noop"] = figures.KAFKA_NOOP_RATE
+    if broker == "kafka" and rates.get("sql-loop"):
+        out["kafka-dedupe/noop"] = figures.KAFKA_NOOP_VS_SQL_LOOP * rates["sql-loop"]
     naive, raw = rates.get(f"{broker}-naive/insert"), rates.get(f"{broker}-raw/insert")
     if naive and raw:
         need = max(figures.WRITES_VS_NAIVE * naive, figures.WRITES_VS_RAW * raw)
         out[f"{broker}-dedupe/insert"] = out[f"{broker}-dedupe/insert-group"] = need
-    if rates.get("new"):
-        out["duplicates"] = figures.DUPLICATES_VS_NEW * rates["new"]
+    if rates.get("new") and rates.get(f"{broker}-raw/noop"):
+        out["duplicates"] = min(
+            figures.DUPLICATES_VS_NEW * rates["new"],
+            figures.DUPLICATES_VS_RAW * rates[f"{broker}-raw/noop"],
+        )
     return out
 
 

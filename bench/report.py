@@ -1,4 +1,4 @@
-"""Render bench/run.py results as Markdown: figures, ratios, and each issue-14 target met or not.
+"""Render bench/run.py results as Markdown: figures, ratios, and each issue-26 target met or not.
 
     .venv/bin/python -m bench.report bench/results/latest.json [bench/results/memory.json]
 
@@ -49,6 +49,41 @@ def _outbox_table(report: dict[str, Any]) -> list[str]:
         *rows,
         "",
     ]
+
+
+def _baseline_table(report: dict[str, Any]) -> list[str]:
+    """The machine's durable commit and bench.core's CPU per message, measured in the run."""
+    lines: list[str] = []
+    c = report.get("commit")
+    if c:
+        lines += [
+            "#### The machine's durable commit (a single-row INSERT alone, `synchronous_commit` "
+            f"{c.get('synchronous_commit', 'on')})",
+            "",
+            f"- {c['n']:,} commits one after the other: p50 **{c['p50_ms']:.2f} ms**, "
+            f"p99 **{c['p99_ms']:.2f} ms** (mean {c['mean_ms']:.2f}, max {c['max_ms']:.2f})",
+            "",
+        ]
+    cpu = report.get("cpu")
+    if cpu:
+        lines += [
+            "#### CPU per message in the pipeline alone (`bench.core`, no broker)",
+            "",
+            "| batch shape | new keys us/msg | duplicates us/msg | new msg/s | duplicates msg/s |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for broker, name in BROKERS.items():
+            run = cpu.get(broker)
+            if not run:
+                continue
+            rounds = {r["kind"]: r for r in run.get("rounds", [])}
+            rates = [f"{rounds[k]['msg_per_s']:,}" if k in rounds else "-" for k in ("new", "dup")]
+            lines.append(
+                f"| {name}: {run['batches']} x {run['batch']} at once | {run['new_us']:.1f} | "
+                f"{run['dup_us']:.1f} | {rates[0]} | {rates[1]} |"
+            )
+        lines.append("")
+    return lines
 
 
 def _noop_table(report: dict[str, Any], broker: str) -> list[str]:
@@ -210,12 +245,13 @@ def render(report: dict[str, Any]) -> str:
             f"{_load(machine.get('load_after'))} after.",
             "",
         ]
+    lines += _baseline_table(report)
     lines += _noop_table(report, "rabbit") + _noop_table(report, "kafka")
     lines += _writes_table(report) + _duplicates_table(report) + _latency_table(report)
     lines += _other_tables(report) + _outbox_table(report)
     verdict = {True: "yes", False: "**no**", None: "-"}
     lines += [
-        "### Targets (issue 14; the outbox: issue 16)",
+        "### Targets (issue 26; the outbox: issue 16)",
         "",
         "| target | figure | met |",
         "|---|---|---|",

@@ -1,7 +1,7 @@
 """Benchmarks of dedupe-worker against the raw clients and the hand-written alternative.
 
-    .venv/bin/python -m bench.run [--n 20000] [--only rabbit,kafka,dup,latency,gc,workers,outbox]
-                                  [--results DIR]
+    .venv/bin/python -m bench.run [--n 20000] [--results DIR]
+                                  [--only commit,core,rabbit,kafka,dup,latency,gc,workers,outbox]
     .venv/bin/python -m bench.run --memory [--n 1000000]
 
 Every scenario runs in one go, side by side, and is reported as a ratio to its baseline
@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 import asyncpg  # noqa: E402
 
+from bench.commit import commit_latency  # noqa: E402
 from bench.harness import (  # noqa: E402
     ADMIN_URL,
     RUN,
@@ -48,8 +49,51 @@ from bench.harness import (  # noqa: E402
     rate,
 )
 from bench.latency import latency  # noqa: E402
+from bench.targets import BROKERS  # noqa: E402
 
 # -- scenarios ------------------------------------------------------------------------------
+
+
+# bench.core's batch shapes per broker: (deliveries per process() call, calls side by side).
+# RabbitMQ's transport hands over at most its prefetch (64) unacknowledged messages, Kafka's one
+# fetch of batch_max (64) records per partition, the bench's topics having 4 partitions.
+CORE_SHAPES = {"rabbit": (64, 1), "kafka": (64, 4)}
+
+
+async def commit(n: int, report: dict[str, Any]) -> None:
+    """The machine's durable commit alone (bench.commit): the latency target is relative to it."""
+    report["commit"] = await commit_latency(n)
+
+
+async def cpu(n: int, report: dict[str, Any], uvloop: bool) -> None:
+    """CPU per message of the pipeline alone (bench.core, its own process), new keys and then
+    the same keys again, with each broker's batch shape."""
+    out: dict[str, Any] = {}
+    for broker, (batch, batches) in CORE_SHAPES.items():
+        cmd = [sys.executable, "-m", "bench.core", "--n", str(n), "--kinds", "new,dup"]
+        cmd += ["--batch", str(batch), "--batches", str(batches)]
+        if not uvloop:
+            cmd.append("--asyncio")
+        proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+        stdout, _ = await asyncio.wait_for(proc.communicate(), 900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench.core failed (exit {proc.returncode}): {' '.join(cmd)}")
+        result = json.loads(stdout)
+        rounds = {r["kind"]: r for r in result["rounds"]}
+        out[broker] = {
+            "batch": batch,
+            "batches": batches,
+            "n": n,
+            "new_us": rounds["new"]["cpu_us_per_msg"],
+            "dup_us": rounds["dup"]["cpu_us_per_msg"],
+            "rounds": result["rounds"],
+        }
+        print(
+            f"  bench.core {BROKERS[broker]:8} ({batches} x {batch}): new key"
+            f" {out[broker]['new_us']} us/msg, duplicate {out[broker]['dup_us']} us/msg",
+            flush=True,
+        )
+    report["cpu"] = out
 
 
 async def throughput(broker: str, n: int, report: dict[str, Any], uvloop: bool) -> None:
@@ -304,6 +348,12 @@ async def main(args: argparse.Namespace) -> None:
         path = results / "memory.json"
     else:
         only = set(args.only.split(","))
+        if "commit" in only:
+            print("the machine's durable commit (a single-row INSERT, alone)", flush=True)
+            await commit(args.commit_n, report)
+        if "core" in only:
+            print("CPU per message in the pipeline alone (bench.core)", flush=True)
+            await cpu(args.core_n, report, args.uvloop)
         if "rabbit" in only:
             print("RabbitMQ throughput", flush=True)
             await throughput("rabbit", args.n, report, args.uvloop)
@@ -363,7 +413,21 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=int(os.environ.get("BENCH_N", "20000")))
     parser.add_argument(
         "--only",
-        default=os.environ.get("BENCH_ONLY", "rabbit,kafka,dup,latency,gc,workers,outbox"),
+        default=os.environ.get(
+            "BENCH_ONLY", "commit,core,rabbit,kafka,dup,latency,gc,workers,outbox"
+        ),
+    )
+    parser.add_argument(
+        "--commit-n",
+        type=int,
+        default=int(os.environ.get("BENCH_COMMIT_N", "2000")),
+        help="timed commits of the `commit` scenario (BENCH_COMMIT_N)",
+    )
+    parser.add_argument(
+        "--core-n",
+        type=int,
+        default=int(os.environ.get("BENCH_CORE_N", "0")) or None,
+        help="messages per round of the `core` scenario (BENCH_CORE_N; default --n)",
     )
     parser.add_argument(
         "--expired", type=int, default=int(os.environ.get("BENCH_EXPIRED", "100000"))
@@ -379,4 +443,6 @@ if __name__ == "__main__":
         action=argparse.BooleanOptionalAction,
         default=os.environ.get("BENCH_UVLOOP", "1") == "1",
     )
-    asyncio.run(main(parser.parse_args()))
+    arguments = parser.parse_args()
+    arguments.core_n = arguments.core_n or arguments.n
+    asyncio.run(main(arguments))
