@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from dedupe.claims.fingerprints import RAW, Fingerprint, FingerprintSpec, compile_fingerprint
 from dedupe.claims.keys import KeyFunc, KeySpec, compile_key
 from dedupe.decoding import Decoder, decoder_for
-from dedupe.errors import ConfigurationError
+from dedupe.errors import ConfigurationError, InvalidOption
 from dedupe.message import Message
 from dedupe.webhooks.sources import DEFAULT_MAX_BODY_BYTES, WebhookSource
 from dedupe.webhooks.verifiers import Verifier
@@ -51,6 +51,7 @@ class Handler:
     backoff_s: float
     max_backoff_s: float
     group_commit: bool = False
+    one_transaction: bool = False
     fingerprint: Fingerprint = RAW
     keep_payload: bool = False
 
@@ -98,6 +99,7 @@ class App:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         group_commit: bool = False,
+        one_transaction: bool = False,
         fingerprint: FingerprintSpec = "raw",
         fingerprint_exclude: tuple[str, ...] = (),
         keep_payload: bool = False,
@@ -123,6 +125,15 @@ class App:
                 rolls back only its own writes). The runs of a group go one at a time on its
                 connection: for handlers whose ctx.db work is short and that await nothing
                 else while it is open.
+            one_transaction: For a handler whose only effects go through ctx.db (and
+                ctx.publish, stored in the same transaction): a first delivery claims its
+                key, runs the handler and records the outcome in ONE transaction (one
+                commit instead of two; a duplicate racing it on another worker waits on the
+                row lock, then sees the outcome). Redeliveries, keys that already have a
+                row, and runs that fail, call ctx.step or outlast the lease (or timeout_s)
+                take the two-commit path, where attempts are counted as usual (a failed
+                one-transaction run counts as attempt 1). Needs (payload, ctx); not with
+                group_commit. See docs/design.md, "One transaction where one is enough".
             fingerprint: What "the same payload" is when a key comes again: "raw" (the body
                 bytes), "json" (the JSON value: key order, whitespace and the spelling of
                 numbers do not matter) or a callable (Message) -> bytes. Another payload
@@ -201,6 +212,21 @@ class App:
                     "take (payload, ctx: Context)"
                 )
 
+            if not isinstance(one_transaction, bool):
+                raise InvalidOption(f"{where}: one_transaction must be True or False")
+            if one_transaction and len(params) != 2:
+                raise InvalidOption(
+                    f"{where}: one_transaction=True runs the claim, the handler's ctx.db writes "
+                    "and the completion in one transaction; a handler without ctx has nothing "
+                    "to write through it: take (payload, ctx: Context) or drop the option"
+                )
+            if one_transaction and group_commit:
+                raise InvalidOption(
+                    f"{where}: one_transaction=True and group_commit=True exclude each other "
+                    "(one transaction per first delivery, or one shared by a group of runs "
+                    "after their claims): pick one"
+                )
+
             key_func = compile_key(key)
             base_scope = f"{self.name}.{handler_name}"
             scope_func = _compile_scope(base_scope, scope)
@@ -221,6 +247,7 @@ class App:
                 backoff_s=float(backoff_s),
                 max_backoff_s=float(max_backoff_s),
                 group_commit=group_commit,
+                one_transaction=one_transaction,
                 fingerprint=compiled,
                 keep_payload=keep_payload,
             )

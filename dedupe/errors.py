@@ -14,6 +14,11 @@ class ConfigurationError(DedupeError):
     """The app, a handler or an option is misconfigured; the message says how to fix it."""
 
 
+class InvalidOption(ConfigurationError, ValueError):
+    """A handler option, or a combination of options, that cannot work as asked; the message
+    names the option."""
+
+
 class StoreError(DedupeError):
     """The claim store (PostgreSQL) could not be reached or refused a statement."""
 
