@@ -142,6 +142,50 @@ class ClaimStore:
             )
         return [by_key[r.ident] for r in requests]
 
+    async def claim_in(
+        self,
+        conn: asyncpg.Connection,
+        request: ClaimRequest,
+        *,
+        lease_s: float,
+        retention_s: float,
+    ) -> int | None:
+        """One-transaction mode: claim a key that has no row, inside `conn`'s open transaction;
+        the token, or None when the key has a row (committed by then: a row another
+        transaction has not committed is waited for, within its lock_timeout). Driver errors
+        are raised as they come (the caller's transaction is over either way)."""
+        token = await conn.fetchval(
+            self._q["claim_one_transaction"],
+            request.scope,
+            request.key,
+            request.payload_hash,
+            request.fingerprint,
+            request.raw_hash,
+            request.payload,
+            self.owner,
+            float(lease_s),
+            float(retention_s),
+            secrets.randbits(63),
+        )
+        return None if token is None else int(token)
+
+    async def first_attempt_failed(self, request: ClaimRequest, *, retention_s: float) -> bool:
+        """One-transaction mode: commit the count of a first attempt whose transaction rolled
+        back (a claim with attempts = 1, its lease over, handed back); False when the key has
+        a row already (claimed meanwhile by another delivery, whose outcome decides)."""
+        rows = await self._fetch(
+            "first_attempt_failed",
+            request.scope,
+            request.key,
+            request.payload_hash,
+            request.fingerprint,
+            request.raw_hash,
+            request.payload,
+            self.owner,
+            float(retention_s),
+        )
+        return bool(rows)
+
     async def warm_up(self, connections: int, *, timeout_s: float = 5.0) -> None:
         """Open up to `connections` pooled connections (never more than the pool holds) and
         plan the hot statements on each: each runs once with no rows (nothing is claimed or

@@ -91,6 +91,38 @@ CROSS JOIN LATERAL (
                 ELSE true END AS same
 ) s;
 
+-- name: claim_one_transaction
+-- One-transaction mode (dedupe/pipeline/one_transaction.py): a first delivery claims its key
+-- inside the transaction that then runs the handler and records the completion. Only a key
+-- without a row is claimed here: a row of any state (committed) answers nothing back and the
+-- message goes to the two-commit claim (claim_batch), which decides as usual. A row another
+-- transaction inserted and has not committed makes this statement wait for it (bounded by the
+-- transaction's lock_timeout): once it commits, nothing comes back; once it rolls back, the
+-- key is ours. Attempts start at 1, as in claim_batch; the token comes from the same sequence.
+INSERT INTO dedupe_claims AS c
+    (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
+     attempts, lease_until, expires_at, claim_request_id)
+VALUES ($1, $2, $3, $4, $5, $6, 'in_progress', nextval('dedupe_claim_tokens'), $7, 1,
+        now() + make_interval(secs => $8), now() + make_interval(secs => $9), $10::bigint)
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING c.token;
+
+-- name: first_attempt_failed
+-- One-transaction mode: the run of a first delivery failed and its transaction rolled back
+-- whole (its claim with it). This commits the failed attempt on its own: a claim with
+-- attempts = 1 whose lease has ended, marked handed back (claim_batch then re-claims it as
+-- a key given back, not a dead worker's: counted at its start, not run alone), so that the
+-- two-commit path that runs the message next counts it as attempt 2 and a poison message is
+-- dead-lettered after max_attempts runs in all. A row that is there already (a competing
+-- delivery claimed the key meanwhile) is left alone.
+INSERT INTO dedupe_claims AS c
+    (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
+     attempts, lease_until, expires_at, error)
+VALUES ($1, $2, $3, $4, $5, $6, 'in_progress', nextval('dedupe_claim_tokens'), $7, 1,
+        now(), now() + make_interval(secs => $8), 'handed back')
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING c.token;
+
 -- name: heartbeat
 -- Extend the leases we still hold; the rows that come back are the ones still ours.
 UPDATE dedupe_claims AS c
