@@ -41,8 +41,10 @@ DEAD_LETTER_RETRY_MAX_S = 300.0
 BATCHES_IN_FLIGHT = 2
 
 
-def to_message(record: ConsumerRecord, *, attempt: int = 1) -> Message:
-    """The envelope the core sees for a Kafka record."""
+def to_message(record: ConsumerRecord, *, attempt: int = 1, redelivered: bool = True) -> Message:
+    """The envelope the core sees for a Kafka record. `redelivered`: it may have been read
+    before (a partition's first batch after it was assigned, or a held retry); the core runs
+    only the others in one transaction (one_transaction=True)."""
     headers = Headers(dict(record.headers or ()))
     return Message(
         channel=record.topic,
@@ -57,6 +59,7 @@ def to_message(record: ConsumerRecord, *, attempt: int = 1) -> Message:
             "offset": record.offset,
             "key": record.key,
             "timestamp_ms": record.timestamp,
+            "redelivered": redelivered,
         },
     )
 
@@ -77,7 +80,12 @@ class KafkaDelivery:
     @property
     def message(self) -> Message:
         if self._message is None:
-            self._message = to_message(self.record, attempt=self.attempt)
+            replayed_to = self.partition.replayed_to
+            self._message = to_message(
+                self.record,
+                attempt=self.attempt,
+                redelivered=self.attempt > 1 or replayed_to is None or self.offset < replayed_to,
+            )
         return self._message
 
     @property
@@ -160,6 +168,7 @@ class PartitionWork:
         self.pending: dict[int, bool] = {}
         self.fetched_to: int | None = None
         self.committed: int | None = None
+        self.replayed_to: int | None = None  # offsets before it came in the first batch
         self.held: dict[object, collections.deque[KafkaDelivery]] = {}
         self.closing = False  # revoked or stopping: start nothing new
         self._depth = max(1, batches_in_flight)
@@ -209,6 +218,9 @@ class PartitionWork:
         assert not self.full, "a partition runs at most batches_in_flight fetched batches"
         if self.committed is None:
             self.committed = records[0].offset  # where the group stood when we got it
+            # The first batch after the assignment may have been read by the partition's
+            # last owner: its records count as redelivered (dedupe.pipeline.one_transaction).
+            self.replayed_to = records[-1].offset + 1
         for record in records:
             self.pending[record.offset] = False
         self.fetched_to = records[-1].offset + 1

@@ -421,5 +421,24 @@ def test_a_record_becomes_a_message_with_its_id_header_and_coordinates() -> None
         "offset": 7,
         "key": b"k",
         "timestamp_ms": 0,
+        "redelivered": True,
     }
     assert to_message(Record(8, value=None)).body == b""
+    assert to_message(record, redelivered=False).meta["redelivered"] is False
+
+
+async def test_the_first_batch_after_an_assignment_and_held_retries_count_as_redelivered() -> None:
+    """The partition's last owner may have read its first fetched batch: those records (and a
+    record held to run again) are redelivered; the batches after it are first deliveries."""
+    seen: list[tuple[int, int, bool]] = []
+
+    def decide(delivery: KafkaDelivery) -> Settlement:
+        seen.append((delivery.offset, delivery.attempt, delivery.message.meta["redelivered"]))
+        return defer_first_attempt(3)(delivery)
+
+    h = Harness(decide=decide)
+    await h.run(records("a", "b"))
+    await h.run(records("c", "d", start=2))
+    await asyncio.sleep(0.2)  # the deferred record runs again after 0.05 s
+    await h.idle()
+    assert sorted(seen) == [(0, 1, True), (1, 1, True), (2, 1, False), (3, 1, False), (3, 2, True)]
