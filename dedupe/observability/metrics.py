@@ -291,8 +291,20 @@ class _ProcessorCollector(Collector):
             "Outbox publishes the broker refused (each retried with backoff, never dropped)",
             relayed.refused,
         )
+        counters["dedupe_one_transaction_runs"] = (
+            "First deliveries claimed, run and completed in one transaction (one_transaction=True)",
+            stats.one_transaction,
+        )
         for name, (text, value) in counters.items():
             yield CounterMetricFamily(name, text, value=value)
+        fallbacks = CounterMetricFamily(
+            "dedupe_one_transaction_fallbacks",
+            "Messages of one_transaction=True handlers that took the two-commit path, by reason",
+            labels=["reason"],
+        )
+        for reason, count in sorted(stats.one_transaction_fallbacks.items()):
+            fallbacks.add_metric([reason], count)
+        yield fallbacks
         dead = CounterMetricFamily(
             "dedupe_dead_letters", "Messages dead-lettered, by reason", labels=["reason"]
         )

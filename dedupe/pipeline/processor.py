@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dedupe.app import App, Handler
 from dedupe.claims.leases import Lease, Leases
@@ -24,6 +24,7 @@ from dedupe.claims.records import KeyId, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import (
     Claims,
+    InFlight,
     Ours,
     Terms,
     Unavailable,
@@ -35,6 +36,7 @@ from dedupe.effects import outbox
 from dedupe.effects.outbox import Relay
 from dedupe.errors import StoreError
 from dedupe.message import Message
+from dedupe.pipeline import one_transaction as onetx
 from dedupe.pipeline.observers import Observer, Observers
 from dedupe.pipeline.outcomes import (
     REQUEUE_INTERNAL,
@@ -52,6 +54,8 @@ from dedupe.pipeline.stats import Stats
 from dedupe.transport import Delivery, Publisher, Settlement
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False, slots=True)
@@ -101,10 +105,15 @@ class Processor:
         self.runner = Runner(
             app, store, self.leases, self.stats, self.observer, concurrency=concurrency
         )
+        # First deliveries of one_transaction=True handlers, within the same concurrency.
+        self.one_transaction = onetx.OneTransaction(
+            store, self.stats, self.observer, self.runner.hooks, self.runner.slots
+        )
         # The outbox relay (ctx.publish) runs in every worker that can publish.
         self.relay = Relay(store.pool, publisher) if publisher is not None else None
         if self.relay is not None:
             self.runner.on_published = self.relay.wake
+            self.one_transaction.on_published = self.relay.wake
         self._channels = app.channels
         self._runners = concurrency
         self._batches: set[_Batch] = set()
@@ -176,6 +185,10 @@ class Processor:
 
     async def _process(self, channel: str, deliveries: Sequence[Delivery]) -> None:
         handlers = self._channels.get(channel)
+        if handlers and any(h.one_transaction for h in handlers):
+            deliveries = await self._one_transaction(handlers, deliveries)
+            if not deliveries:
+                return
         if not handlers:
             for delivery in deliveries:
                 await self.outcomes.conclude(
@@ -238,6 +251,71 @@ class Processor:
             batch.completions.close()
             self._batches.discard(batch)
             self._inflight.difference_update([*batch.runners, concluder])
+
+    async def _one_transaction(
+        self, handlers: Sequence[Handler], deliveries: Sequence[Delivery]
+    ) -> Sequence[Delivery]:
+        """Run the batch's first deliveries of a one_transaction=True handler in one
+        transaction each, side by side within the handler concurrency (each on a pooled
+        connection of its own), and conclude those that committed; return the others, in their
+        order, for the two-commit path (dedupe.pipeline.one_transaction)."""
+        first = self.one_transaction
+        if len(handlers) > 1:  # one transaction cannot hold several handlers' outcomes
+            first.fall_back(onetx.SHARED_CHANNEL, len(deliveries))
+            return deliveries
+        if self.runner.stopping:
+            first.fall_back(onetx.STOPPING, len(deliveries))
+            return deliveries
+        [handler] = handlers
+        started = time.perf_counter()
+        runs: dict[int, Ticket] = {}
+        seen: set[KeyId] = set()
+        for i, delivery in enumerate(deliveries):
+            message = delivery.message
+            if not onetx.first_delivery(message.meta):
+                first.fall_back(onetx.REDELIVERY)
+                continue
+            request = request_for(
+                message,
+                key_func=handler.key_func,
+                scope_of=handler.scope_of,
+                fingerprint=handler.fingerprint,
+                keep_payload=handler.keep_payload,
+            )
+            if isinstance(request, Unclaimable):
+                first.fall_back(onetx.NO_KEY)
+                continue
+            if request.ident in seen:
+                first.fall_back(onetx.REPEAT)
+                continue
+            seen.add(request.ident)
+            runs[i] = Ticket(handler, message, request, started)
+        if not runs:
+            return deliveries
+
+        async def run(delivery: Delivery, ticket: Ticket) -> bool:
+            try:
+                outcome = await first.run(ticket)
+                if outcome == onetx.LOCK_TIMEOUT:
+                    # Another transaction holds the key (bounded by its own timeouts): the
+                    # two-commit claim would wait on it unbounded; it is in flight elsewhere.
+                    outcome = self.outcomes.of(ticket, InFlight())
+            except Exception:
+                logger.exception("unexpected error in a one-transaction run; requeueing it")
+                outcome = REQUEUE_INTERNAL
+            if isinstance(outcome, str):
+                return False
+            self.outcomes.observe(ticket, outcome)
+            await self.outcomes.conclude(delivery, [outcome])
+            return True
+
+        tasks = {i: self._spawn(run(deliveries[i], ticket)) for i, ticket in runs.items()}
+        await asyncio.wait(tasks.values())
+        return [
+            delivery
+            for i, delivery in enumerate(deliveries)
+            if i not in tasks or not tasks[i].result()
+        ]
 
     async def _plan(
         self, handler: Handler, messages: Sequence[Message], started: float
@@ -333,8 +411,8 @@ class Processor:
         terms = Terms(handler.lease_s, handler.retention_s)
         return await self._decide(ticket, await self.claims.claim_one(terms, ticket.request))
 
-    def _spawn(self, coro: Awaitable[Outcome]) -> asyncio.Task[Outcome]:
-        task: asyncio.Task[Outcome] = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         return task

@@ -86,7 +86,7 @@ class Runner:
         self.stopping = False
         # Called after a commit that stored publishes (the relay sends them at once).
         self._on_published: Callable[[], None] | None = None
-        self._slots = asyncio.Semaphore(concurrency)
+        self._slots = self.slots = asyncio.Semaphore(concurrency)
         self._isolation = asyncio.Lock()
         self._completer: Batcher[tuple[Fence, str, float], bool] = Batcher(self._complete_batch)
         self.lanes = Lanes(store, lanes=group_commit_lanes(concurrency), stats=stats)

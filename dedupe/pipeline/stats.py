@@ -25,6 +25,10 @@ class Stats:
     # is the mean group size: the figure that says whether grouping pays).
     groups_committed: int = 0
     group_members_committed: int = 0
+    # One-transaction mode: first deliveries claimed, run and completed in one transaction,
+    # and the messages of one_transaction=True handlers that took the two-commit path, by why.
+    one_transaction: int = 0
+    one_transaction_fallbacks: collections.Counter[str] = field(default_factory=collections.Counter)
     dead_lettered: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def snapshot(self) -> dict[str, Any]:
@@ -41,6 +45,8 @@ class Stats:
             "gc_deleted": self.gc_deleted,
             "groups_committed": self.groups_committed,
             "group_members_committed": self.group_members_committed,
+            "one_transaction": self.one_transaction,
+            "one_transaction_fallbacks": dict(self.one_transaction_fallbacks),
             "dead_lettered": dict(self.dead_lettered),
         }
 
