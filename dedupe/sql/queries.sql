@@ -99,13 +99,15 @@ CROSS JOIN LATERAL (
 -- transaction inserted and has not committed makes this statement wait for it (bounded by the
 -- transaction's lock_timeout): once it commits, nothing comes back; once it rolls back, the
 -- key is ours. Attempts start at 1, as in claim_batch; the token comes from the same sequence.
+-- The lock_timeout bounds this claim alone: RETURNING (evaluated once the row is in) lifts it
+-- for the rest of the transaction, whose statements statement_timeout bounds instead.
 INSERT INTO dedupe_claims AS c
     (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
      attempts, lease_until, expires_at, claim_request_id)
 VALUES ($1, $2, $3, $4, $5, $6, 'in_progress', nextval('dedupe_claim_tokens'), $7, 1,
         now() + make_interval(secs => $8), now() + make_interval(secs => $9), $10::bigint)
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING c.token;
+RETURNING c.token, set_config('lock_timeout', '0', true) AS lock_timeout;
 
 -- name: first_attempt_failed
 -- One-transaction mode: the run of a first delivery failed and its transaction rolled back

@@ -216,6 +216,32 @@ async def test_a_handler_without_ctx_db_use_and_a_publish_commit_in_the_transact
     assert await db.fetchval("SELECT count(*) FROM dedupe_outbox") == 2
 
 
+async def test_the_transaction_is_bounded_and_the_lock_timeout_is_the_claims_alone(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """lock_timeout bounds the claim (a third of the lease, at most 2 s) and is lifted once the
+    claim is in; the session is ended past the run's bound (the lease) plus 1 s, idle or not."""
+    seen: dict[str, str] = {}
+    app = App("ot")
+
+    @app.handler(CH, one_transaction=True, lease_s=3.0)
+    async def show(payload: Row, ctx: Context) -> None:
+        for name in ("lock_timeout", "idle_in_transaction_session_timeout", "statement_timeout"):
+            seen[name] = await ctx.db.fetchval(f"SHOW {name}")
+
+    async with processor(app, store) as worker:
+        await worker.process(CH, deliveries(1))
+    assert worker.stats.one_transaction == 1
+    assert seen == {
+        "lock_timeout": "0",
+        "idle_in_transaction_session_timeout": "4s",
+        "statement_timeout": "4s",
+    }
+    assert onetx.begin_statement(app.handlers["show"]).startswith(
+        "BEGIN; SET LOCAL lock_timeout = 1000;"
+    )
+
+
 # -- failures ------------------------------------------------------------------------------
 
 
