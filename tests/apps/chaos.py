@@ -10,6 +10,8 @@ Test-only configuration, read when the module is imported by a worker process:
   CHAOS_LEASE_S      the handler's lease
   CHAOS_FAILPOINT    claimed | handled | completed: where the hook may kill the worker
   CHAOS_GROUP_COMMIT 1: the handler runs with group_commit=True (runs share transactions)
+  CHAOS_ONE_TRANSACTION 1: the handler runs with one_transaction=True (a first delivery's
+                     claim, run and completion in one transaction)
   CHAOS_FUSE         a path the test creates when it wants the next kill: the first worker
                      to pass the failpoint while it exists takes it (an atomic rename) and
                      SIGKILLs itself, so the test paces the kills over the whole stream
@@ -105,6 +107,7 @@ def _take(fuse: str) -> bool:
     backoff_s=0.05,
     max_backoff_s=0.2,
     group_commit=os.environ.get("CHAOS_GROUP_COMMIT") == "1",
+    one_transaction=os.environ.get("CHAOS_ONE_TRANSACTION") == "1",
 )
 async def work(payload: Work, ctx: Context) -> int | dict[str, object]:
     if payload.poison:
