@@ -264,8 +264,15 @@ class OneTransaction:
                 )
                 if not done:  # only if the handler changed the claim row itself
                     return _Failed(StoreError("the completion found the claim changed"))
-                await conn.execute("COMMIT")
+                # The pool's reset goes with the COMMIT, in the same round trip: released, the
+                # connection is clean. (Should a reset statement fail after the COMMIT, the run
+                # takes the two-commit path, whose claim finds it completed: a duplicate.)
+                reset = conn.get_reset_query()
+                await conn.execute(f"COMMIT; {reset}" if reset else "COMMIT")
                 committed = True
+                mark_clean = getattr(conn, "mark_clean", None)
+                if mark_clean is not None:
+                    mark_clean()
             except asyncpg.IntegrityConstraintViolationError as exc:  # a deferred constraint
                 return _Failed(exc)
             except (*TRANSIENT_ERRORS, asyncpg.PostgresError, StoreError) as exc:
