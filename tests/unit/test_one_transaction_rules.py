@@ -1,0 +1,59 @@
+"""The one-transaction mode's pure rules: which deliveries may take it, and its bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from dedupe import App, Context
+from dedupe.errors import InvalidOption
+from dedupe.pipeline import one_transaction as onetx
+
+
+def handler(**options: object) -> object:
+    app = App("rules")
+
+    @app.handler("ch", one_transaction=True, **options)  # type: ignore[arg-type]
+    async def h(payload: bytes, ctx: Context) -> None: ...
+
+    return app.handlers["h"]
+
+
+@pytest.mark.parametrize(
+    ("meta", "first"),
+    [
+        ({"redelivered": False}, True),
+        ({"redelivered": True}, False),
+        ({}, False),  # a transport that says nothing: the two-commit path
+        ({"redelivered": 0}, False),  # only False itself says "first"
+        ({"topic": "t", "partition": 0, "offset": 1, "redelivered": False}, True),
+    ],
+)
+def test_only_a_delivery_the_transport_calls_first_takes_the_path(
+    meta: dict[str, object], first: bool
+) -> None:
+    assert onetx.first_delivery(meta) is first
+
+
+def test_the_bounds_follow_the_lease_and_a_shorter_timeout() -> None:
+    assert onetx.bounds(handler(lease_s=30.0)) == (30.0, False, 2.0, 31.0)  # type: ignore[arg-type]
+    # timeout_s shorter than the lease is the bound, and reaching it is a failed attempt
+    assert onetx.bounds(handler(lease_s=30.0, timeout_s=5.0)) == (5.0, True, 2.0, 6.0)  # type: ignore[arg-type]
+    # a timeout longer than the lease: the lease bounds the transaction, uncounted
+    assert onetx.bounds(handler(lease_s=3.0, timeout_s=10.0)) == (3.0, False, 1.0, 4.0)  # type: ignore[arg-type]
+
+
+def test_the_begin_statement_carries_numbers_only() -> None:
+    assert onetx.begin_statement(handler(lease_s=3.0)) == (  # type: ignore[arg-type]
+        "BEGIN; SET LOCAL lock_timeout = 1000; "
+        "SET LOCAL idle_in_transaction_session_timeout = 4000; "
+        "SET LOCAL statement_timeout = 4000"
+    )
+
+
+def test_invalid_option_is_a_value_error_naming_the_option() -> None:
+    assert issubclass(InvalidOption, ValueError)
+    app = App("rules")
+    with pytest.raises(InvalidOption, match="one_transaction"):
+
+        @app.handler("ch", one_transaction=True)
+        async def no_ctx(payload: bytes) -> None: ...
