@@ -54,6 +54,7 @@ from dedupe.claims.values import encode_result, storable_text
 from dedupe.context import Context
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import DedupeError, InvalidPayload, StoreError
+from dedupe.message import Message
 from dedupe.pipeline.failures import describe
 from dedupe.pipeline.group_commit import TAINTED, LaneDatabase
 from dedupe.pipeline.hooks import Hooks
@@ -93,11 +94,13 @@ class NeedsOwnCommits(DedupeError):
     the two-commit path, where the step works (do not catch this error)."""
 
 
-def first_delivery(meta: Any) -> bool:
-    """Whether the transport says this is the message's first delivery (RabbitMQ: not
-    redelivered; Kafka: not in a partition's first batch after it was assigned, not a held
-    retry). A transport that says nothing gets the two-commit path."""
-    return bool(meta.get("redelivered", True) is False)
+def first_delivery(message: Message) -> bool:
+    """Whether the transport says this is the message's first delivery: `meta["redelivered"]`
+    is False (RabbitMQ: not redelivered; Kafka: not in a partition's first batch after it was
+    assigned) and it is its first attempt as far as the transport knows (not a deferred copy
+    back from a delay queue, not a held retry). A transport that says nothing gets the
+    two-commit path."""
+    return message.attempt == 1 and message.meta.get("redelivered", True) is False
 
 
 def bounds(handler: Handler) -> tuple[float, bool, float, float]:

@@ -272,7 +272,7 @@ class Processor:
         seen: set[KeyId] = set()
         for i, delivery in enumerate(deliveries):
             message = delivery.message
-            if not onetx.first_delivery(message.meta):
+            if not onetx.first_delivery(message):
                 first.fall_back(onetx.REDELIVERY)
                 continue
             request = request_for(

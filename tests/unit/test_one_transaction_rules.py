@@ -7,6 +7,7 @@ import pytest
 from dedupe import App, Context
 from dedupe.errors import InvalidOption
 from dedupe.pipeline import one_transaction as onetx
+from dedupe.testing.deliveries import make_message
 
 
 def handler(**options: object) -> object:
@@ -19,19 +20,21 @@ def handler(**options: object) -> object:
 
 
 @pytest.mark.parametrize(
-    ("meta", "first"),
+    ("meta", "attempt", "first"),
     [
-        ({"redelivered": False}, True),
-        ({"redelivered": True}, False),
-        ({}, False),  # a transport that says nothing: the two-commit path
-        ({"redelivered": 0}, False),  # only False itself says "first"
-        ({"topic": "t", "partition": 0, "offset": 1, "redelivered": False}, True),
+        ({"redelivered": False}, 1, True),
+        ({"redelivered": True}, 1, False),
+        ({}, 1, False),  # a transport that says nothing: the two-commit path
+        ({"redelivered": 0}, 1, False),  # only False itself says "first"
+        ({"topic": "t", "partition": 0, "offset": 1, "redelivered": False}, 1, True),
+        ({"redelivered": False}, 2, False),  # a deferred copy back from the delay queue
     ],
 )
 def test_only_a_delivery_the_transport_calls_first_takes_the_path(
-    meta: dict[str, object], first: bool
+    meta: dict[str, object], attempt: int, first: bool
 ) -> None:
-    assert onetx.first_delivery(meta) is first
+    message = make_message("ch", b"{}", message_id="m", attempt=attempt, meta=meta)
+    assert onetx.first_delivery(message) is first
 
 
 def test_the_bounds_follow_the_lease_and_a_shorter_timeout() -> None:
