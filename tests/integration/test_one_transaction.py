@@ -17,6 +17,7 @@ from dedupe import App, Context
 from dedupe.claims.records import ClaimRequest, Fence, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError, InvalidOption
+from dedupe.observability.metrics import Metrics
 from dedupe.pipeline import one_transaction as onetx
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
@@ -286,6 +287,15 @@ async def test_a_failing_first_run_counts_its_attempt_and_retries_on_two_commits
     assert (row["status"], row["attempts"]) == ("completed", 2)
     assert worker.stats.one_transaction_fallbacks == {onetx.FAILED: 1}
     assert worker.stats.taken_over == 0  # handed back, not a dead worker's key
+    metrics = Metrics()
+    metrics.watch_processor(worker)
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in metrics.registry.collect()
+        for sample in family.samples
+    }
+    assert samples[("dedupe_one_transaction_runs_total", ())] == 0
+    assert samples[("dedupe_one_transaction_fallbacks_total", (("reason", "failed"),))] == 1
 
 
 async def test_a_poison_message_is_dead_lettered_after_max_attempts_runs_in_all(
