@@ -150,6 +150,7 @@ class OneTransaction:
         observer: Observer,
         hooks: Hooks,
         slots: asyncio.Semaphore,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.store = store
         self.stats = stats
@@ -157,6 +158,7 @@ class OneTransaction:
         self.hooks = hooks
         self.on_published: Callable[[], None] | None = None
         self._slots = slots
+        self._stopping = stopping
 
     def fall_back(self, reason: str, count: int = 1) -> None:
         self.stats.one_transaction_fallbacks[reason] += count
@@ -171,6 +173,8 @@ class OneTransaction:
         except InvalidPayload:
             return self._left(INVALID_PAYLOAD)
         async with self._slots:
+            if self._stopping():  # a stop began while it waited for a slot: give it back
+                return self._left(STOPPING)
             try:
                 conn: asyncpg.Connection = await self.store.pool.acquire()
             except TRANSIENT_ERRORS:

@@ -107,7 +107,12 @@ class Processor:
         )
         # First deliveries of one_transaction=True handlers, within the same concurrency.
         self.one_transaction = onetx.OneTransaction(
-            store, self.stats, self.observer, self.runner.hooks, self.runner.slots
+            store,
+            self.stats,
+            self.observer,
+            self.runner.hooks,
+            self.runner.slots,
+            stopping=lambda: self.runner.stopping,
         )
         # The outbox relay (ctx.publish) runs in every worker that can publish.
         self.relay = Relay(store.pool, publisher) if publisher is not None else None

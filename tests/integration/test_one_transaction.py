@@ -412,6 +412,29 @@ async def test_ctx_step_sends_the_run_to_the_two_commit_path(
     assert await effects.fetchval("SELECT count(*) FROM effects") == 2
 
 
+async def test_a_stop_gives_back_the_runs_that_wait_for_a_slot(
+    store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    calls = Calls()
+    app = App("ot")
+
+    @app.handler(CH, one_transaction=True)
+    async def slow(payload: Row, ctx: Context) -> None:
+        calls(ctx.key)
+        await ctx.db.execute("INSERT INTO effects VALUES ($1, $2)", ctx.key, payload.n)
+        await asyncio.sleep(0.5)
+
+    batch = deliveries(2)
+    async with Processor(app, store, concurrency=1, gc_interval_s=None) as worker:
+        running_batch = asyncio.create_task(worker.process(CH, batch))
+        await asyncio.sleep(0.2)  # k0 runs, k1 waits for the one slot
+        await worker.drain(timeout_s=5)
+        await running_batch
+    assert [d.settlements[-1].action for d in batch] == [Action.ACK, Action.REQUEUE]
+    assert calls.count == {"k0": 1}
+    assert worker.stats.one_transaction_fallbacks == {onetx.STOPPING: 1}
+
+
 # -- competing copies ----------------------------------------------------------------------
 
 
