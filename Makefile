@@ -53,7 +53,7 @@ chaos: install services  ## the large chaos run: N=100,000 messages, 50 faults p
 
 BENCH_N ?= 20000
 BENCH_RESULTS ?= bench/results
-.PHONY: bench bench-memory bench-core bench-report
+.PHONY: bench bench-memory bench-core bench-one-transaction bench-report
 
 bench: install services  ## every target beside its baseline, tables and PNG plots (BENCH_N=20000; ~17 min)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
@@ -69,6 +69,11 @@ bench-report: install  ## tables, Targets and plots of bench/results/latest.json
 bench-core: install services  ## CPU per message in the pipeline alone (no broker; PostgreSQL)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.core --n $(BENCH_N)
+
+bench-one-transaction: install services  ## one_transaction=True against False: CPU, msg/s and commits per message
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m bench.one_transaction --batch 100 --batches 4 --n 5000 --rounds 3
+	$(BIN)/python -m bench.one_transaction --batch 1 --batches 1 --n 1000 --rounds 3
 
 bench-memory: install services  ## resident memory of one worker over 1,000,000 messages
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
