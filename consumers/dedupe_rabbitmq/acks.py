@@ -4,53 +4,91 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
-
-from aio_pika.abc import AbstractIncomingMessage
+from collections.abc import Awaitable
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
+
+
+class AckChannel(Protocol):
+    """What the bookkeeping asks of an aiormq channel."""
+
+    @property
+    def is_closed(self) -> bool: ...
+
+    def basic_ack(
+        self, delivery_tag: int, multiple: bool = False, wait: bool = True
+    ) -> Awaitable[None]: ...
+
+    def basic_nack(
+        self, delivery_tag: int, multiple: bool = False, requeue: bool = True, wait: bool = True
+    ) -> Awaitable[None]: ...
+
+
+class _Tags:
+    """One AMQP channel's unsettled delivery tags, in the order they arrived."""
+
+    __slots__ = ("done", "requeue")
+
+    def __init__(self) -> None:
+        self.done: dict[int, bool] = {}  # tag -> acked by the core, oldest first
+        self.requeue: list[int] = []  # tags to nack(requeue=True), still in `done` as False
 
 
 class Acks:
     """Acknowledges settled deliveries with one multiple-ack per run of consecutive tags.
 
     Settling marks a delivery tag done; once per loop iteration the longest done prefix of each
-    AMQP channel's tags goes out as one `basic.ack(multiple=True)`. A done tag stuck behind one
-    still running is acked on its own after `LATE_S`, so a slow handler never holds back the
-    others' prefetch slots for longer. A lost ack frame means a redelivery, which the claims
-    turn into a duplicate: the same as an ack lost on the wire. A closed channel's tags are
-    dropped whole: its unacked deliveries go back to their queues on the broker's side and no
-    ack for them can be sent any more (after a reconnect, the old channel never comes back).
+    AMQP channel's tags goes out as one `basic.ack(multiple=True)`, so a multiple-ack never
+    covers a tag that is still running. A done tag stuck behind one still running is acked on
+    its own after `LATE_S`, so a slow handler never holds back the others' prefetch slots for
+    longer. A requeue is a single `basic.nack`, sent by the same flush: a tag leaves the
+    bookkeeping only once its frame is written, so no multiple-ack can take it first. A lost ack
+    frame means a redelivery, which the claims turn into a duplicate: the same as an ack lost on
+    the wire. A closed channel's tags are dropped whole: its unacked deliveries go back to
+    their queues on the broker's side and no ack for them can be sent any more (after a
+    reconnect, the old channel never comes back).
     """
 
     LATE_S = 0.05
 
     def __init__(self) -> None:
-        self._tags: dict[Any, dict[int, bool]] = {}  # AMQP channel -> {tag: done}, in order
+        self._tags: dict[AckChannel, _Tags] = {}
         self._due = False
         self._late: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def delivered(self, incoming: AbstractIncomingMessage) -> None:
-        self._drop_closed()
-        if incoming.delivery_tag is not None:
-            self._tags.setdefault(incoming.channel, {})[incoming.delivery_tag] = False
+    def delivered(self, channel: AckChannel, tag: int) -> None:
+        tags = self._tags.get(channel)
+        if tags is None:
+            self._drop_closed()
+            tags = self._tags[channel] = _Tags()
+        tags.done[tag] = False
 
-    def forget(self, incoming: AbstractIncomingMessage) -> None:
-        """The delivery is settled some other way (nack) or cannot be (its channel closed)."""
-        self._tags.get(incoming.channel, {}).pop(incoming.delivery_tag or 0, None)
+    def drop(self, channel: AckChannel) -> None:
+        """The channel is gone: none of its tags can be settled any more."""
+        self._tags.pop(channel, None)
         self._drop_closed()
 
     def _drop_closed(self) -> None:
         for channel in [channel for channel in self._tags if channel.is_closed]:
             del self._tags[channel]
 
-    def ack(self, incoming: AbstractIncomingMessage) -> bool:
+    def ack(self, channel: AckChannel, tag: int) -> bool:
         """Mark the delivery acked; False when it is not tracked (ack it directly)."""
-        tags = self._tags.get(incoming.channel)
-        if tags is None or incoming.delivery_tag not in tags:
+        tags = self._tags.get(channel)
+        if tags is None or tag not in tags.done:
             return False
-        tags[incoming.delivery_tag] = True
+        tags.done[tag] = True
+        self._wake()
+        return True
+
+    def requeue(self, channel: AckChannel, tag: int) -> bool:
+        """Have the delivery nacked back to its queue; False when it is not tracked."""
+        tags = self._tags.get(channel)
+        if tags is None or tags.done.get(tag, True):
+            return False
+        tags.requeue.append(tag)
         self._wake()
         return True
 
@@ -66,27 +104,36 @@ class Acks:
                 if channel.is_closed:
                     self._tags.pop(channel, None)
                     continue
-                last = None
-                while tags:
-                    tag = next(iter(tags))
-                    if not tags[tag]:
-                        break
-                    del tags[tag]
-                    last = tag
-                single = [tag for tag, done in tags.items() if done] if late else []
-                for tag in single:
-                    del tags[tag]
                 try:
-                    if last is not None:
-                        await channel.basic_ack(delivery_tag=last, multiple=True)
-                    for tag in single:
-                        await channel.basic_ack(delivery_tag=tag)
+                    await self._settle(channel, tags, late=late)
                 except Exception as exc:
                     # The channel is gone: the broker delivers these again.
                     logger.warning("could not acknowledge deliveries (%s); they come again", exc)
-                if tags and any(tags.values()) and self._late is None:
+                if any(tags.done.values()) and self._late is None:
                     self._late = asyncio.get_running_loop().call_later(self.LATE_S, self._lately)
             late = False
+
+    @staticmethod
+    async def _settle(channel: AckChannel, tags: _Tags, *, late: bool) -> None:
+        done = tags.done
+        while tags.requeue:
+            tag = tags.requeue.pop(0)
+            del done[tag]  # written below, before any multiple-ack can pass over it
+            await channel.basic_nack(tag, requeue=True, wait=False)
+        last = None
+        while done:
+            tag = next(iter(done))
+            if not done[tag]:
+                break
+            del done[tag]
+            last = tag
+        single = [tag for tag, acked in done.items() if acked] if late else []
+        for tag in single:
+            del done[tag]
+        if last is not None:
+            await channel.basic_ack(last, multiple=True, wait=False)
+        for tag in single:
+            await channel.basic_ack(tag, wait=False)
 
     def _lately(self) -> None:
         self._late = None
