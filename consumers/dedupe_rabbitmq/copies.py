@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 class Copies:
     """Publishes copies on the transport's connection; `channel` is the confirming channel."""
 
+    # A publish through a connection whose socket died can wait for good (for room in aiormq's
+    # frame queue, or a confirm): past this, the settlement fails and the broker redelivers.
+    PUBLISH_TIMEOUT_S = 30.0
+
     def __init__(self, connection: Callable[[], AbstractConnection | None]) -> None:
         self._connection = connection  # the transport's current one, None once it is closed
         self.channel: AbstractChannel | None = None
@@ -114,7 +118,11 @@ class Copies:
         # mandatory: a message RabbitMQ cannot route raises (on_return_raises) instead of
         # being confirmed and dropped; a nack raises DeliveryError too.
         await channel.basic_publish(
-            body, routing_key=routing_key, properties=properties, mandatory=True
+            body,
+            routing_key=routing_key,
+            properties=properties,
+            mandatory=True,
+            timeout=self.PUBLISH_TIMEOUT_S,
         )
 
     async def _reopen(self) -> AbstractChannel:

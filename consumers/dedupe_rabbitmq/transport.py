@@ -229,8 +229,10 @@ class RabbitMQTransport(Transport):
         self._closed = True
         connection, self._connection, self._channel = self._connection, None, None
         if connection is not None:
+            # Bounded: the close handshake waits for the broker's answer.
             with contextlib.suppress(Exception):
-                await connection.close()
+                async with asyncio.timeout(self.CONNECT_TIMEOUT_S):
+                    await connection.close()
 
     async def serve(self, channels: Sequence[str], process: Process, stop: asyncio.Event) -> None:
         await self.connect()
@@ -254,7 +256,7 @@ class RabbitMQTransport(Transport):
             if channel is not None and not channel.is_closed:
                 for tag in list(self._routes):
                     with contextlib.suppress(Exception):
-                        await channel.basic_cancel(tag)
+                        await channel.basic_cancel(tag, timeout=self.CONNECT_TIMEOUT_S)
             self._routes = {}
             for task in dispatchers:
                 task.cancel()

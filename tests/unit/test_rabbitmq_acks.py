@@ -80,7 +80,7 @@ async def test_a_done_tag_behind_a_running_one_is_never_covered_by_a_multiple_ac
         acks.ack(channel, tag)
     await asyncio.sleep(0)  # the flush of this loop iteration
     assert channel.frames == []
-    await asyncio.sleep(acks.LATE_S * 3)
+    await asyncio.sleep(acks.LATE_S * 4)
     assert channel.frames == [
         ("ack", 2, False),
         ("ack", 3, False),
@@ -165,3 +165,30 @@ async def test_a_dropped_channel_is_forgotten_at_once() -> None:
     assert acks._tags == {}
     assert not acks.ack(channel, 1)
     assert not acks.requeue(channel, 2)
+
+
+@dataclass(eq=False)
+class Wedged(Channel):
+    """A channel of a connection whose socket died: aiormq's frame queue is full and its writer
+    gone, so a write waits for good (the channel is not marked closed yet)."""
+
+    async def basic_ack(self, delivery_tag: int, multiple: bool = False, wait: bool = True) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_flush_stuck_on_a_dead_connection_does_not_hold_back_the_new_channels_acks() -> (
+    None
+):
+    """The old channel's flusher waits forever on its write; once the transport drops that
+    channel, the new channel's acks still go out, and the shutdown drain does not hang."""
+    acks, old, new = Acks(), Wedged(), Channel()
+    delivered(acks, old, 1)
+    acks.ack(old, 1)
+    await asyncio.sleep(0.01)  # the old flusher is now stuck in its write
+    acks.drop(old)
+    delivered(acks, new, 2)
+    acks.ack(new, 1)
+    acks.ack(new, 2)
+    async with asyncio.timeout(1):
+        await acks.drain()
+    assert new.frames == [("ack", 2, True)]
