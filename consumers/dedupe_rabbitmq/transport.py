@@ -325,7 +325,7 @@ class RabbitMQTransport(Transport):
                 reason or "closed",
                 "reconnecting" if whole else "consuming on a new channel",
             )
-            await self._restore(whole=whole)
+            await self._restore()
 
     @staticmethod
     async def _closed_either(connection: AbstractConnection, channel: AbstractChannel) -> None:
@@ -344,21 +344,17 @@ class RabbitMQTransport(Transport):
                 inbox.frames.clear()
                 inbox.frames.extend(kept)
 
-    async def _restore(self, *, whole: bool) -> None:
+    async def _restore(self) -> None:
         """Connect (when the connection was lost) and consume again, retrying with backoff."""
         pause = 0.0
         attempt = 0
+        lost = self._connection
         while True:
             if pause:
                 await asyncio.sleep(pause)
             attempt += 1
             try:
-                if whole or self._connection is None or self._connection.is_closed:
-                    old, self._connection = self._connection, None
-                    if old is not None:
-                        with contextlib.suppress(Exception):
-                            await old.close()
-                    await self.connect()
+                await self.connect()  # unless the connection is still open
                 await self._consume()
             except Exception as exc:
                 pause = min(max(pause * 2, self.RECONNECT_MIN_S), self.RECONNECT_MAX_S)
@@ -369,6 +365,7 @@ class RabbitMQTransport(Transport):
                     pause,
                 )
                 continue
+            whole = self._connection is not lost
             if whole:
                 self.reconnects += 1
             logger.warning(
@@ -489,8 +486,10 @@ class RabbitMQTransport(Transport):
 
 def channel_reason(closable: AbstractChannel | AbstractConnection) -> str | None:
     """Why a channel or connection closed, as far as aiormq tells."""
-    closing = closable.closing
-    if not closing.done() or closing.cancelled():
+    if not closable.is_closed:
+        return None
+    closing = closable.closing  # the closed future itself, once closed
+    if closing.cancelled():
         return None
     exc = closing.exception()
     return None if exc is None else (str(exc) or type(exc).__name__)
