@@ -18,6 +18,8 @@ MEANING = {
     "replication_factor": "replicas of the topics it creates; 0 = min(3, brokers in the cluster)",
     "batch_max": "records per fetch, and per claim statement",
     "max_held": "deferred messages held in memory per partition before it stops fetching",
+    "batches_in_flight": "fetched batches of one partition processed at once (their claims and "
+    "completions overlap); at most max_held / batch_max, at least 1",
     "commit_interval_s": "period of the offset commits",
     "revoke_timeout_s": "on a rebalance, how long in-flight work of a revoked partition may "
     "finish; the rest goes to the next owner uncommitted",
@@ -55,6 +57,7 @@ class KafkaOptions:
     replication_factor: int = 0  # for topics it creates; 0 = min(3, brokers in the cluster)
     batch_max: int = 64  # messages per process() call (one claim statement)
     max_held: int = 1000  # deferred messages kept per partition before it stops fetching
+    batches_in_flight: int = 4  # fetched batches of one partition at once (see `depth`)
     commit_interval_s: float = 0.2
     revoke_timeout_s: float = 10.0
     session_timeout_ms: int = 10_000
@@ -92,6 +95,7 @@ class KafkaOptions:
             "partitions",
             "batch_max",
             "max_held",
+            "batches_in_flight",
             "heartbeat_interval_ms",
             "max_request_size",
         ):
@@ -101,6 +105,12 @@ class KafkaOptions:
             raise ConfigurationError("commit_interval_s must be > 0 and revoke_timeout_s >= 0")
         if not self.group_id:
             raise ConfigurationError("Kafka option group_id must not be empty")
+
+    @property
+    def depth(self) -> int:
+        """Fetched batches of one partition in flight at once: `batches_in_flight`, but no more
+        records than `max_held` (what a partition may keep in memory) and at least one batch."""
+        return max(1, min(self.batches_in_flight, self.max_held // self.batch_max))
 
 
 def group_id_for(app_name: str) -> str:

@@ -5,10 +5,10 @@ A channel `C` is a topic; its dead letters go to the topic `C.dlq` (both are cre
 - One consumer group per app (`dedupe-<app name>`, or `?group_id=` in the URL), auto-commit off;
   a new group starts from the earliest offset.
 - A fetch returns at most `batch_max` records; each partition's share goes to the core in one
-  `process()` call (one claim statement) per wave (see dedupe_kafka.partition); up to two
-  fetched batches of a partition run at once, the partition is paused at two (or while too many
-  messages are held) and the consumer keeps polling, so a long handler never gets the worker
-  evicted from the group. Partitions run in parallel.
+  `process()` call (one claim statement) per wave (see dedupe_kafka.partition); up to
+  `batches_in_flight` fetched batches of a partition run at once, the partition is paused at
+  that many (or while too many messages are held) and the consumer keeps polling, so a long
+  handler never gets the worker evicted from the group. Partitions run in parallel.
 - Kafka cannot redeliver one message, so a message the core defers (its key is in progress
   elsewhere) or requeues waits in memory and runs again after its delay, beside the stream;
   only later messages with its record key wait for it.
@@ -219,6 +219,7 @@ class KafkaTransport(Transport):
                 pause=self._pause,
                 resume=self._resume,
                 reply=self.replies.send,
+                batches_in_flight=self.options.depth,
             )
         logger.info(
             "assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(assigned))

@@ -1,11 +1,14 @@
-"""The RabbitMQ transport (aio-pika): consume channels, settle deliveries as the core decides,
-publish with confirms, and the operator client; registered as `amqp://` and `amqps://`."""
+"""The RabbitMQ transport: consume channels (on aiormq) and settle deliveries as the core
+decides, publish with confirms and the operator client (on aio-pika); registered as `amqp://`
+and `amqps://`."""
 
 from __future__ import annotations
 
-# Every module of the package imports aio-pika; without it, say which extra to install.
+# Every module of the package imports aio-pika or aiormq (which aio-pika brings); without
+# them, say which extra to install.
 try:
     import aio_pika  # noqa: F401
+    import aiormq  # noqa: F401
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(
         "the RabbitMQ transport needs aio-pika: pip install 'dedupe-worker[rabbitmq]'"

@@ -1,9 +1,9 @@
 """Copies of RabbitMQ deliveries (dead letters, deferrals, RPC replies) sent with confirms.
 
-Copies go out `mandatory` on a confirming channel of their own opened with `on_return_raises`:
-one RabbitMQ cannot route (the queue was deleted or expired) comes back instead of vanishing,
-and the original is never acked into nothing. A slow confirm never holds up deliveries on the
-consuming channel.
+Copies go out `mandatory` on a confirming aiormq channel of their own opened with
+`on_return_raises`: one RabbitMQ cannot route (the queue was deleted or expired) comes back
+instead of vanishing, and the original is never acked into nothing. A slow confirm never holds
+up deliveries on the consuming channel.
 """
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-import aio_pika
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractIncomingMessage,
-    AbstractRobustConnection,
-)
+from aiormq.abc import AbstractChannel, AbstractConnection
+from aiormq.exceptions import AMQPChannelError, ChannelInvalidStateError, DeliveryError
+from pamqp.commands import Basic
 
-from dedupe_rabbitmq.topology import declare_channel
+from dedupe_rabbitmq.topology import declare_queues
 
 logger = logging.getLogger(__name__)
 
@@ -28,30 +25,43 @@ logger = logging.getLogger(__name__)
 class Copies:
     """Publishes copies on the transport's connection; `channel` is the confirming channel."""
 
-    def __init__(self, connection: Callable[[], AbstractRobustConnection | None]) -> None:
-        self._connection = connection  # the transport's, None once it is closed
+    # A publish through a connection whose socket died can wait for good (for room in aiormq's
+    # frame queue, or a confirm): past this, the settlement fails and the broker redelivers.
+    PUBLISH_TIMEOUT_S = 30.0
+
+    def __init__(self, connection: Callable[[], AbstractConnection | None]) -> None:
+        self._connection = connection  # the transport's current one, None once it is closed
         self.channel: AbstractChannel | None = None
         self._reopening = asyncio.Lock()
         self._copying: dict[str, asyncio.Event] = {}  # message ids with a copy in flight
 
-    async def open(self) -> None:
-        """Open the confirming channel on the transport's connection."""
+    def _open_connection(self) -> AbstractConnection:
         connection = self._connection()
-        if connection is None:
-            raise aio_pika.exceptions.ChannelInvalidStateError("the transport is closed")
-        self.channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        if connection is None or connection.is_closed:
+            # A lost connection: the transport opens a new one (and then this channel again).
+            raise ChannelInvalidStateError("the transport's connection is closed")
+        return connection
 
-    async def copy(self, message: aio_pika.Message, channel: str, queue: str) -> bool:
+    async def open(self) -> None:
+        """Open the confirming channel on the transport's (new) connection."""
+        async with self._reopening:
+            self.channel = await self._open_connection().channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+
+    async def copy(
+        self, body: bytes, properties: Basic.Properties, channel: str, queue: str
+    ) -> bool:
         """Publish a copy to one of `channel`'s queues; False if RabbitMQ cannot route it.
 
         A copy RabbitMQ returns (the queue was deleted, or expired by a policy) or refuses
         makes the transport declare the channel's queues again and send it once more.
         """
-        async with self._alone(message.message_id):
+        async with self._alone(properties.message_id):
             try:
-                await self._publish(message, queue)
+                await self._publish(body, properties, queue)
                 return True
-            except aio_pika.exceptions.DeliveryError as exc:
+            except DeliveryError as exc:
                 logger.warning(
                     "RabbitMQ did not take a copy for %s (%s); declaring the queues of %s again",
                     queue,
@@ -60,9 +70,9 @@ class Copies:
                 )
             try:
                 await self._declare_again(channel)
-                await self._publish(message, queue)
+                await self._publish(body, properties, queue)
                 return True
-            except (aio_pika.exceptions.DeliveryError, aio_pika.exceptions.AMQPChannelError) as exc:
+            except (DeliveryError, AMQPChannelError) as exc:
                 logger.warning("RabbitMQ still did not take a copy for %s (%s)", queue, exc)
                 return False
 
@@ -94,62 +104,58 @@ class Copies:
         A declaration RabbitMQ refuses (a queue re-created with other arguments) closes the
         channel it was made on; the copy channel carries the confirms of other copies.
         """
-        connection = self._connection()
-        if connection is None:
-            raise aio_pika.exceptions.ChannelInvalidStateError("the transport is closed")
-        channel = await connection.channel(publisher_confirms=False)
+        channel = await self._open_connection().channel(publisher_confirms=False)
         try:
-            await declare_channel(channel, name)
+            await declare_queues(channel, name)
         finally:
             with contextlib.suppress(Exception):
                 await channel.close()
 
-    async def _publish(self, message: aio_pika.Message, routing_key: str) -> None:
+    async def _publish(self, body: bytes, properties: Basic.Properties, routing_key: str) -> None:
         channel = self.channel
         if channel is None or channel.is_closed:
             channel = await self._reopen()
         # mandatory: a message RabbitMQ cannot route raises (on_return_raises) instead of
-        # being confirmed and dropped.
-        await channel.default_exchange.publish(message, routing_key=routing_key, mandatory=True)
+        # being confirmed and dropped; a nack raises DeliveryError too.
+        await channel.basic_publish(
+            body,
+            routing_key=routing_key,
+            properties=properties,
+            mandatory=True,
+            timeout=self.PUBLISH_TIMEOUT_S,
+        )
 
     async def _reopen(self) -> AbstractChannel:
-        """A new confirming channel for copies (dead letters, delays, replies).
-
-        aio-pika restores a robust channel after a reconnect, except when the restore itself
-        fails while the broker is still going down; then the channel stays closed for good
-        and, without this, every later dead letter and deferral would fail (found by the
-        chaos suite: poison messages redelivered forever after a RabbitMQ restart).
-        """
+        """A new confirming channel for copies (dead letters, delays, replies), once the last
+        one was closed (by the broker, or with its connection, when the transport reconnects)."""
         async with self._reopening:
             channel = self.channel
             if channel is None or channel.is_closed:
-                connection = self._connection()
-                if connection is None:
-                    raise aio_pika.exceptions.ChannelInvalidStateError("the transport is closed")
+                connection = self._open_connection()
                 logger.info("reopening the channel for dead letters and delays")
                 channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
                 self.channel = channel
             return channel
 
-    async def reply(self, incoming: AbstractIncomingMessage, result: str) -> None:
+    async def reply(self, request: Basic.Properties, result: str) -> None:
         """Replay the stored outcome to a request-reply caller (RPC over RabbitMQ).
 
         The reply queue is the caller's, so it is never declared here. A reply RabbitMQ cannot
         route (the caller's queue is gone) is logged at warning and the request still acked:
         its outcome is recorded, and a caller that retries gets it as a duplicate's reply.
         """
-        assert incoming.reply_to is not None
-        reply = aio_pika.Message(
-            result.encode(),
+        assert request.reply_to is not None
+        reply = Basic.Properties(
             content_type="application/json",
-            correlation_id=incoming.correlation_id,
+            correlation_id=request.correlation_id,
+            delivery_mode=1,
         )
         try:
-            await self._publish(reply, incoming.reply_to)
-        except aio_pika.exceptions.DeliveryError as exc:
+            await self._publish(result.encode(), reply, request.reply_to)
+        except DeliveryError as exc:
             logger.warning(
                 "RabbitMQ did not take the reply to %s (%s); the outcome stays recorded",
-                incoming.reply_to,
+                request.reply_to,
                 exc,
-                extra={"message_id": incoming.message_id},
+                extra={"message_id": request.message_id},
             )

@@ -1,9 +1,12 @@
 """A channel's queues on RabbitMQ, and the persistent copies of deliveries sent to them.
 
-Topology per channel `C` (all durable):
+Topology per channel `C` (all durable, bound to the default exchange by name):
   C          the work queue; rejected messages dead-letter to C.dlq through the default exchange
   C.dlq      dead letters, with the reason in `x-dedupe-reason` / `x-dedupe-detail` headers
   C.delay    no consumers: deferred messages wait out their per-message TTL, then return to C
+
+The transport declares them on its aiormq channel (`declare_queues`), the operators' functions
+and the publisher on aio-pika's (`declare_channel`): one table of queues for both.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractQueue,
 )
+from aiormq.abc import AbstractChannel as AmqpChannel
+from pamqp.commands import Basic
 
 from dedupe.transport import dlq_name
 
@@ -27,19 +32,27 @@ def delay_name(channel: str) -> str:
     return f"{channel}.delay"
 
 
+def queues(name: str) -> list[tuple[str, dict[str, Any] | None]]:
+    """The channel's queues with their arguments, the work queue last."""
+    return [
+        (dlq_name(name), None),
+        (delay_name(name), {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name}),
+        (name, {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq_name(name)}),
+    ]
+
+
 async def declare_channel(channel: AbstractChannel, name: str) -> AbstractQueue:
     """Declare the work, dead-letter and delay queues of one channel; return the work queue."""
-    await channel.declare_queue(dlq_name(name), durable=True)
-    await channel.declare_queue(
-        delay_name(name),
-        durable=True,
-        arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name},
-    )
-    return await channel.declare_queue(
-        name,
-        durable=True,
-        arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq_name(name)},
-    )
+    *others, (work, arguments) = queues(name)
+    for queue_name, queue_arguments in others:
+        await channel.declare_queue(queue_name, durable=True, arguments=queue_arguments)
+    return await channel.declare_queue(work, durable=True, arguments=arguments)
+
+
+async def declare_queues(channel: AmqpChannel, name: str) -> None:
+    """Declare the work, dead-letter and delay queues of one channel on an aiormq channel."""
+    for queue_name, arguments in queues(name):
+        await channel.queue_declare(queue_name, durable=True, arguments=arguments)
 
 
 def copy_of(
@@ -48,7 +61,7 @@ def copy_of(
     headers: dict[str, Any] | None = None,
     expiration: float | None = None,
 ) -> aio_pika.Message:
-    """A persistent copy of a delivery, for the dead-letter or delay queue."""
+    """A persistent copy of an aio-pika delivery (the operators' replay)."""
     return aio_pika.Message(
         incoming.body,
         headers=headers if headers is not None else dict(incoming.headers or {}),
@@ -62,4 +75,28 @@ def copy_of(
         app_id=incoming.app_id,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         expiration=expiration,
+    )
+
+
+def copy_properties(
+    properties: Basic.Properties,
+    *,
+    headers: dict[str, Any] | None = None,
+    expiration_s: float | None = None,
+) -> Basic.Properties:
+    """The properties of a persistent copy of a delivered frame, for the dead-letter or delay
+    queue: the same fields `copy_of` keeps (not user_id, which RabbitMQ checks against the
+    connection's user, nor priority)."""
+    return Basic.Properties(
+        content_type=properties.content_type,
+        content_encoding=properties.content_encoding,
+        headers=headers if headers is not None else dict(properties.headers or {}),
+        delivery_mode=2,
+        correlation_id=properties.correlation_id,
+        reply_to=properties.reply_to,
+        expiration=None if expiration_s is None else str(int(expiration_s * 1000)),
+        message_id=properties.message_id,
+        timestamp=properties.timestamp,
+        message_type=properties.message_type,
+        app_id=properties.app_id,
     )

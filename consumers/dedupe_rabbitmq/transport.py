@@ -1,9 +1,13 @@
-"""RabbitMQ transport on aio-pika: consume channels, settle deliveries as the core decides.
+"""RabbitMQ transport on aiormq: consume channels, settle deliveries as the core decides.
 
-A robust connection, manual acks (in runs, dedupe_rabbitmq.acks) only after the outcome is
-recorded; dead letters and deferrals are copies to the channel's queues
-(dedupe_rabbitmq.topology) sent with confirms (dedupe_rabbitmq.copies). The operators'
-functions and the receiver's publisher live in dedupe_rabbitmq.admin and .publisher.
+One aiormq connection: a consuming channel whose deliveries go from the frame reader straight
+into an inbox per channel (no aio-pika message and no task per delivery), handed to the core in
+batches; manual acks (in runs, dedupe_rabbitmq.acks) only after the outcome is recorded; dead
+letters and deferrals are copies to the channel's queues (dedupe_rabbitmq.topology) sent with
+confirms on a second channel (dedupe_rabbitmq.copies). A lost connection or consuming channel
+is opened again with backoff, the queues declared again, the prefetch set and the queues
+consumed again: what aio-pika's `connect_robust` did. The operators' functions and the
+receiver's publisher (aio-pika) live in dedupe_rabbitmq.admin and .publisher.
 """
 
 from __future__ import annotations
@@ -11,16 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
-import aio_pika
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractIncomingMessage,
-    AbstractQueue,
-    AbstractRobustConnection,
-)
+import aiormq
+from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
+from aiormq.exceptions import ChannelInvalidStateError
+from pamqp.commands import Basic
+from pamqp.header import ContentHeader
 
 from dedupe.message import Headers, Message
 from dedupe.transport import (
@@ -34,40 +38,70 @@ from dedupe.transport import (
 )
 from dedupe_rabbitmq.acks import Acks
 from dedupe_rabbitmq.copies import Copies
-from dedupe_rabbitmq.topology import DEFERRALS_HEADER, copy_of, declare_channel, delay_name
+from dedupe_rabbitmq.topology import (
+    DEFERRALS_HEADER,
+    copy_properties,
+    declare_queues,
+    delay_name,
+)
 
 logger = logging.getLogger(__name__)
 
+# The frame's properties put into Message.meta when set (the rest have Message fields).
+_META_PROPERTIES = (
+    ("correlation_id", "correlation_id"),
+    ("reply_to", "reply_to"),
+    ("timestamp", "timestamp"),
+    ("message_type", "type"),
+    ("app_id", "app_id"),
+    ("user_id", "user_id"),
+    ("priority", "priority"),
+    ("expiration", "expiration"),
+    ("content_encoding", "content_encoding"),
+    ("delivery_mode", "delivery_mode"),
+)
+
 
 class RabbitDelivery:
-    """One aio-pika delivery, settled through the transport's confirming channel."""
+    """One delivered frame, settled through the transport (its acks and confirming channel)."""
 
-    __slots__ = ("_message", "channel", "incoming", "transport")
+    __slots__ = ("_message", "channel", "frame", "transport")
 
-    def __init__(
-        self, transport: RabbitMQTransport, channel: str, incoming: AbstractIncomingMessage
-    ) -> None:
+    def __init__(self, transport: RabbitMQTransport, channel: str, frame: DeliveredMessage) -> None:
         self.transport = transport
         self.channel = channel
-        self.incoming = incoming
+        self.frame = frame
         self._message: Message | None = None
 
     @property
     def message(self) -> Message:
         if self._message is None:
-            headers = Headers(self.incoming.headers or {})
+            frame = self.frame
+            properties = frame.header.properties
+            headers = Headers(properties.headers)
             try:
                 deferrals = int(headers.get(DEFERRALS_HEADER, "0"))
             except ValueError:
                 deferrals = 0
+            delivery = _deliver(frame)
+            meta: dict[str, Any] = {
+                "redelivered": bool(delivery.redelivered),
+                "exchange": delivery.exchange,
+                "routing_key": delivery.routing_key,
+                "delivery_tag": delivery.delivery_tag,
+            }
+            for attribute, name in _META_PROPERTIES:
+                value = getattr(properties, attribute)
+                if value is not None:
+                    meta[name] = value
             self._message = Message(
                 channel=self.channel,
-                body=self.incoming.body,
+                body=frame.body,
                 headers=headers,
-                message_id=self.incoming.message_id,
+                message_id=properties.message_id,
                 attempt=deferrals + 1,
-                content_type=self.incoming.content_type,
-                meta={"redelivered": bool(self.incoming.redelivered)},
+                content_type=properties.content_type,
+                meta=meta,
             )
         return self._message
 
@@ -85,15 +119,73 @@ class RabbitDelivery:
             return False
 
 
+def _deliver(frame: DeliveredMessage) -> Basic.Deliver:
+    """The frame's Basic.Deliver (a consumer's deliveries are never a get or a return)."""
+    return cast(Basic.Deliver, frame.delivery)
+
+
+def _tag(frame: DeliveredMessage) -> int:
+    return _deliver(frame).delivery_tag or 0  # the broker numbers deliveries from 1
+
+
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("processing a batch failed", exc_info=task.exception())
 
 
+def _deliver_from_the_reader(
+    channel: AbstractChannel, arrived: Callable[[DeliveredMessage], None]
+) -> None:
+    """Have the channel's frame reader hand each delivery to `arrived` itself.
+
+    aiormq runs a consumer callback in a task of its own per delivery (a task, a wrapper and
+    a future store entry for each message, about a third of a no-op message's cost in the
+    transport). Its reader looks `_on_deliver_frame` up on the channel for every Deliver
+    frame; this one reads the content the same way and calls `arrived`, which only queues the
+    frame. Where an aiormq does not have these methods, the consumer callback given to
+    basic_consume still delivers (with its task).
+    """
+    get_frame = getattr(channel, "_get_frame", None)
+    read_content = getattr(channel, "_read_content", None)
+    if not (
+        callable(get_frame)
+        and callable(read_content)
+        and callable(getattr(channel, "_on_deliver_frame", None))
+    ):
+        return
+
+    async def on_deliver_frame(frame: Basic.Deliver) -> None:
+        header = await get_frame()
+        if not isinstance(header, ContentHeader):
+            raise ValueError(f"unexpected frame {header!r} instead of a content header")
+        arrived(await read_content(frame, header))
+
+    # The instance attribute shadows the method for this channel only.
+    setattr(channel, "_on_deliver_frame", on_deliver_frame)  # noqa: B010
+
+
+class _Inbox:
+    """Deliveries of one channel that arrived and wait for the next batch."""
+
+    __slots__ = ("frames", "ready")
+
+    def __init__(self) -> None:
+        self.frames: deque[DeliveredMessage] = deque()
+        self.ready = asyncio.Event()
+
+    def put(self, frame: DeliveredMessage) -> None:
+        self.frames.append(frame)
+        if not self.ready.is_set():
+            self.ready.set()
+
+
 class RabbitMQTransport(Transport):
     """Consume channels from RabbitMQ and settle deliveries as the core decides."""
 
-    WATCH_S = 5.0  # how often the consuming channel is looked at (see _watch)
+    CONNECT_TIMEOUT_S = 10.0
+    # Reconnect backoff after a lost connection: the first try at once, then doubling.
+    RECONNECT_MIN_S = 0.25
+    RECONNECT_MAX_S = 5.0
     # How long a delivery whose copy RabbitMQ would not route waits before it is requeued, so
     # that a queue that cannot be declared (missing permission, other arguments) does not
     # spin the message through the worker as fast as the broker redelivers it.
@@ -111,132 +203,200 @@ class RabbitMQTransport(Transport):
         self.connection_name = connection_name  # shown by rabbitmqctl and the management UI
         self.prefetch = prefetch
         self.batch_max = batch_max
-        self._connection: AbstractRobustConnection | None = None
-        self._channel: AbstractChannel | None = None
+        self._connection: AbstractConnection | None = None
+        self._channel: AbstractChannel | None = None  # the consuming channel
+        self._closed = False
         self._acks = Acks()
-        self.copies = Copies(lambda: self._connection)
+        self._inboxes: dict[str, _Inbox] = {}
+        self._routes: dict[str, _Inbox] = {}  # consumer tag -> inbox, of the consuming channel
+        self.reconnects = 0  # connections opened again after a loss (for logs and tests)
+        self.copies = Copies(self._current_connection)
+
+    def _current_connection(self) -> AbstractConnection | None:
+        return None if self._closed else self._connection
 
     async def connect(self) -> None:
-        if self._connection is None:
-            self._connection = await aio_pika.connect_robust(
-                self.url, timeout=10, client_properties={"connection_name": self.connection_name}
-            )
-            self._channel = await self._connection.channel()
-            await self._channel.set_qos(prefetch_count=self.prefetch)
-            await self.copies.open()
+        """Open the connection and the channel for copies unless they are open."""
+        self._closed = False
+        if self._connection is None or self._connection.is_closed:
+            async with asyncio.timeout(self.CONNECT_TIMEOUT_S):
+                self._connection = await aiormq.connect(
+                    self.url, client_properties={"connection_name": self.connection_name}
+                )
+                await self.copies.open()
 
     async def close(self) -> None:
-        connection, self._connection = self._connection, None
+        self._closed = True
+        connection, self._connection, self._channel = self._connection, None, None
         if connection is not None:
+            # Bounded: the close handshake waits for the broker's answer.
             with contextlib.suppress(Exception):
-                await connection.close()
+                async with asyncio.timeout(self.CONNECT_TIMEOUT_S):
+                    await connection.close()
 
     async def serve(self, channels: Sequence[str], process: Process, stop: asyncio.Event) -> None:
         await self.connect()
-        assert self._channel is not None
-        inboxes: dict[str, asyncio.Queue[AbstractIncomingMessage]] = {
-            name: asyncio.Queue() for name in channels
-        }
-        consumers = await self._consume(self._channel, inboxes)
+        self._inboxes = {name: _Inbox() for name in channels}
+        await self._consume()
         logger.info("consuming %s (prefetch %d)", ", ".join(channels), self.prefetch)
         processing: set[asyncio.Task[None]] = set()
         dispatchers = [
             asyncio.create_task(
                 self._dispatch(name, inbox, process, processing), name=f"dispatch-{name}"
             )
-            for name, inbox in inboxes.items()
+            for name, inbox in self._inboxes.items()
         ]
-        watchdog = asyncio.create_task(self._watch(inboxes, consumers), name="rabbitmq-watchdog")
+        keeper = asyncio.create_task(self._keep_consuming(), name="rabbitmq-reconnect")
         try:
             await stop.wait()
         finally:
-            watchdog.cancel()
-            await asyncio.gather(watchdog, return_exceptions=True)
-            for queue, tag in consumers:
-                with contextlib.suppress(Exception):
-                    await queue.cancel(tag)
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            channel = self._channel
+            if channel is not None and not channel.is_closed:
+                for tag in list(self._routes):
+                    with contextlib.suppress(Exception):
+                        await channel.basic_cancel(tag, timeout=self.CONNECT_TIMEOUT_S)
+            self._routes = {}
             for task in dispatchers:
                 task.cancel()
             await asyncio.gather(*dispatchers, return_exceptions=True)
             # Deliveries that reached us but were never started go straight back.
-            for inbox in inboxes.values():
-                while not inbox.empty():
-                    incoming = inbox.get_nowait()
-                    self._acks.forget(incoming)
+            for inbox in self._inboxes.values():
+                while inbox.frames:
+                    frame = inbox.frames.popleft()
                     with contextlib.suppress(Exception):
-                        await incoming.nack(requeue=True)
+                        await self._requeue(frame)
             if processing:
                 await asyncio.gather(*processing, return_exceptions=True)
             await self._acks.drain()
 
-    async def _consume(
-        self,
-        channel: AbstractChannel,
-        inboxes: Mapping[str, asyncio.Queue[AbstractIncomingMessage]],
-    ) -> list[tuple[AbstractQueue, str]]:
-        """Declare each channel's queues and consume them into its inbox."""
-        consumers: list[tuple[AbstractQueue, str]] = []
-        for name, inbox in inboxes.items():
-            queue = await declare_channel(channel, name)
+    def _arrived(self, frame: DeliveredMessage) -> None:
+        """A delivery from the consuming channel's reader: into its channel's inbox."""
+        delivery = _deliver(frame)
+        inbox = self._routes.get(delivery.consumer_tag or "")
+        if inbox is None or frame.channel is not self._channel:
+            return  # a consumer being cancelled: unacked, it goes back with its channel
+        self._acks.delivered(frame.channel, delivery.delivery_tag or 0)
+        inbox.put(frame)
 
-            async def arrived(
-                incoming: AbstractIncomingMessage,
-                inbox: asyncio.Queue[AbstractIncomingMessage] = inbox,
-            ) -> None:
-                self._acks.delivered(incoming)
-                inbox.put_nowait(incoming)
+    async def _consume(self) -> None:
+        """On a new channel: set the prefetch, declare each channel's queues, consume them."""
+        assert self._connection is not None
+        channel = await self._connection.channel(publisher_confirms=False)
+        try:
+            _deliver_from_the_reader(channel, self._arrived)
+            await channel.basic_qos(prefetch_count=self.prefetch)
+            routes: dict[str, _Inbox] = {}
+            self._channel, self._routes = channel, routes
+            for name, inbox in self._inboxes.items():
+                await declare_queues(channel, name)
+                # The tag is ours, so that the route exists before the first delivery.
+                tag = f"dedupe.{name}.{uuid.uuid4().hex[:12]}"
+                routes[tag] = inbox
 
-            tag = await queue.consume(arrived, no_ack=False)
-            consumers.append((queue, tag))
-        return consumers
+                async def arrived(frame: DeliveredMessage) -> None:
+                    self._arrived(frame)
 
-    async def _watch(
-        self,
-        inboxes: Mapping[str, asyncio.Queue[AbstractIncomingMessage]],
-        consumers: list[tuple[AbstractQueue, str]],
-    ) -> None:
-        """Consume again on a new channel when the consuming one stays closed.
+                await channel.basic_consume(name, arrived, no_ack=False, consumer_tag=tag)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await channel.close()
+            raise
 
-        aio-pika restores channels after a reconnect, except when the restore itself fails
-        (the broker still going down); the channel then stays closed while the connection is
-        up, and without this the worker would sit idle for good. Two looks WATCH_S apart, so
-        a restore in progress is left to finish.
+    async def _keep_consuming(self) -> None:
+        """Whenever the connection or the consuming channel is lost, open them again (with
+        backoff), declare the queues, set the prefetch and consume again.
+
+        The lost channel's deliveries are dropped from the ack bookkeeping and from the inboxes:
+        their tags mean nothing on a new channel, and the broker delivers them again (the claims
+        make that a duplicate, or a take-over once the lease lapses).
         """
-        closed_before = False
         while True:
-            await asyncio.sleep(self.WATCH_S)
             connection, channel = self._connection, self._channel
-            if connection is None or channel is None:
-                return
-            if not channel.is_closed or not connection.connected.is_set():
-                closed_before = False
-                continue
-            if not closed_before:
-                closed_before = True
-                continue
-            logger.warning("the consuming channel stayed closed; consuming on a new one")
+            assert connection is not None and channel is not None
+            await self._closed_either(connection, channel)
+            reason = channel_reason(channel) or channel_reason(connection)
+            self._forget(channel)
+            whole = connection.is_closed
+            logger.warning(
+                "lost the RabbitMQ %s (%s); %s",
+                "connection" if whole else "consuming channel",
+                reason or "closed",
+                "reconnecting" if whole else "consuming on a new channel",
+            )
+            await self._restore()
+
+    @staticmethod
+    async def _closed_either(connection: AbstractConnection, channel: AbstractChannel) -> None:
+        watchers = [connection.closing, channel.closing]
+        try:
+            await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for watcher in watchers:
+                watcher.cancel()
+
+    def _forget(self, channel: AbstractChannel) -> None:
+        self._acks.drop(channel)
+        for inbox in self._inboxes.values():
+            if any(frame.channel is channel for frame in inbox.frames):
+                kept = [frame for frame in inbox.frames if frame.channel is not channel]
+                inbox.frames.clear()
+                inbox.frames.extend(kept)
+
+    async def _restore(self) -> None:
+        """Connect (when the connection was lost) and consume again, retrying with backoff."""
+        pause = 0.0
+        attempt = 0
+        lost = self._connection
+        while True:
+            if pause:
+                await asyncio.sleep(pause)
+            attempt += 1
             try:
-                fresh = await connection.channel()
-                await fresh.set_qos(prefetch_count=self.prefetch)
-                consumers[:] = await self._consume(fresh, inboxes)
+                await self.connect()  # unless the connection is still open
+                await self._consume()
             except Exception as exc:
-                logger.warning("could not consume on a new channel yet (%s); retrying", exc)
+                pause = min(max(pause * 2, self.RECONNECT_MIN_S), self.RECONNECT_MAX_S)
+                logger.warning(
+                    "could not consume from RabbitMQ again (attempt %d: %s); retrying in %.2f s",
+                    attempt,
+                    exc or type(exc).__name__,
+                    pause,
+                )
                 continue
-            self._channel, closed_before = fresh, False
+            whole = self._connection is not lost
+            if whole:
+                self.reconnects += 1
+            logger.warning(
+                "%s RabbitMQ after %d attempt%s: consuming %s again (prefetch %d)",
+                "reconnected to" if whole else "a new consuming channel on",
+                attempt,
+                "" if attempt == 1 else "s",
+                ", ".join(self._inboxes),
+                self.prefetch,
+                extra={"reconnects": self.reconnects},
+            )
+            return
 
     async def _dispatch(
         self,
         name: str,
-        inbox: asyncio.Queue[AbstractIncomingMessage],
+        inbox: _Inbox,
         process: Process,
         processing: set[asyncio.Task[None]],
     ) -> None:
         """Hand whatever has arrived to the core as one batch (one claim statement)."""
+        frames = inbox.frames
         while True:
-            batch = [await inbox.get()]
-            while len(batch) < self.batch_max and not inbox.empty():
-                batch.append(inbox.get_nowait())
-            deliveries: list[Delivery] = [RabbitDelivery(self, name, m) for m in batch]
+            if not frames:
+                inbox.ready.clear()
+                await inbox.ready.wait()
+                continue
+            count = min(len(frames), self.batch_max)
+            deliveries: list[Delivery] = [
+                RabbitDelivery(self, name, frames.popleft()) for _ in range(count)
+            ]
             task = asyncio.create_task(process(name, deliveries))
             processing.add(task)
             task.add_done_callback(processing.discard)
@@ -245,68 +405,94 @@ class RabbitMQTransport(Transport):
     async def settle(self, delivery: RabbitDelivery, settlement: Settlement) -> bool:
         """Carry out the settlement; False when a copy could not be routed and the delivery
         was requeued instead (a dead letter then is not sent: its next delivery sends it)."""
-        incoming = delivery.incoming
+        frame = delivery.frame
+        properties = frame.header.properties
+        # A delivery of a lost channel comes again: no reply or copy for it now, its
+        # redelivery sends them.
+        self._usable(frame)
         if settlement.action is Action.ACK:
-            if settlement.result is not None and incoming.reply_to:
-                await self.copies.reply(incoming, settlement.result)
-            await self._ack(incoming)
+            if settlement.result is not None and properties.reply_to:
+                await self.copies.reply(properties, settlement.result)
+            await self._ack(frame)
         elif settlement.action is Action.DEAD_LETTER:
-            headers: dict[str, Any] = dict(incoming.headers or {})
+            headers: dict[str, Any] = dict(properties.headers or {})
             headers.update(dead_letter_headers(settlement))
-            dead_letter = copy_of(incoming, headers=headers)
-            if not await self.copies.copy(
-                dead_letter, delivery.channel, dlq_name(delivery.channel)
-            ):
-                return await self._give_back(incoming, dlq_name(delivery.channel))
-            await self._ack(incoming)
+            dead_letter = copy_properties(properties, headers=headers)
+            dlq = dlq_name(delivery.channel)
+            if not await self.copies.copy(frame.body, dead_letter, delivery.channel, dlq):
+                return await self._give_back(frame, dlq)
+            await self._ack(frame)
             logger.warning(
                 "dead-lettered a message from %s to %s: %s (%s)",
                 delivery.channel,
-                dlq_name(delivery.channel),
+                dlq,
                 settlement.reason,
                 settlement.detail,
                 extra={
                     "channel": delivery.channel,
                     "scope": settlement.scope,
                     "key": settlement.key,
-                    "message_id": incoming.message_id,
+                    "message_id": properties.message_id,
                     "reason": str(settlement.reason),
                     "outcome": str(settlement.action),
                 },
             )
         elif settlement.action is Action.DEFER or settlement.delay_s > 0:
-            headers = dict(incoming.headers or {})
+            headers = dict(properties.headers or {})
             if settlement.action is Action.DEFER:
                 headers[DEFERRALS_HEADER] = delivery.message.attempt
             delay = max(settlement.delay_s, 0.05)
-            later = copy_of(incoming, headers=headers, expiration=delay)
-            if not await self.copies.copy(later, delivery.channel, delay_name(delivery.channel)):
-                return await self._give_back(incoming, delay_name(delivery.channel))
-            await self._ack(incoming)
+            later = copy_properties(properties, headers=headers, expiration_s=delay)
+            queue = delay_name(delivery.channel)
+            if not await self.copies.copy(frame.body, later, delivery.channel, queue):
+                return await self._give_back(frame, queue)
+            await self._ack(frame)
         else:
-            self._acks.forget(incoming)
-            await incoming.nack(requeue=True)
+            await self._requeue(frame)
         return True
 
-    async def _give_back(self, incoming: AbstractIncomingMessage, queue: str) -> bool:
+    async def _give_back(self, frame: DeliveredMessage, queue: str) -> bool:
         """Requeue a delivery whose copy RabbitMQ would not route, rather than ack it."""
         logger.warning(
             "no way to route a copy to %s; the message goes back to its queue",
             queue,
-            extra={"message_id": incoming.message_id},
+            extra={"message_id": frame.header.properties.message_id},
         )
-        self._acks.forget(incoming)
         await asyncio.sleep(self.UNROUTABLE_PAUSE_S)
-        await incoming.nack(requeue=True)
+        await self._requeue(frame)
         return False
 
-    async def _ack(self, incoming: AbstractIncomingMessage) -> None:
+    def _usable(self, frame: DeliveredMessage) -> AbstractChannel:
+        channel = frame.channel
+        if channel.is_closed:
+            self._acks.drop(channel)
+            raise ChannelInvalidStateError("the channel is closed")
+        return channel
+
+    async def _ack(self, frame: DeliveredMessage) -> None:
         """Acknowledge, in a run with the deliveries settled beside it (one frame for many)."""
-        if incoming.channel.is_closed:
-            self._acks.forget(incoming)
-            raise aio_pika.exceptions.ChannelInvalidStateError("the channel is closed")
-        if not self._acks.ack(incoming):
-            await incoming.ack()
+        channel = self._usable(frame)
+        tag = _tag(frame)
+        if not self._acks.ack(channel, tag):
+            await channel.basic_ack(tag)
+
+    async def _requeue(self, frame: DeliveredMessage) -> None:
+        """Give the delivery back to its queue (a single nack, never a multiple one)."""
+        channel = self._usable(frame)
+        tag = _tag(frame)
+        if not self._acks.requeue(channel, tag):
+            await channel.basic_nack(tag, requeue=True)
+
+
+def channel_reason(closable: AbstractChannel | AbstractConnection) -> str | None:
+    """Why a channel or connection closed, as far as aiormq tells."""
+    if not closable.is_closed:
+        return None
+    closing = closable.closing  # the closed future itself, once closed
+    if closing.cancelled():
+        return None
+    exc = closing.exception()
+    return None if exc is None else (str(exc) or type(exc).__name__)
 
 
 __all__ = ["RabbitDelivery", "RabbitMQTransport"]

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 import aio_pika
+import aiormq
 import asyncpg
 import pytest
 from pydantic import BaseModel
@@ -20,7 +21,7 @@ from dedupe import App, Context, Reject
 from dedupe.claims.records import ClaimRequest, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.transport import Action, Settlement, dlq_name
-from dedupe_rabbitmq.topology import declare_channel, delay_name
+from dedupe_rabbitmq.topology import declare_channel, declare_queues, delay_name
 from dedupe_rabbitmq.transport import RabbitDelivery, RabbitMQTransport
 from tests.conftest import eventually, running
 
@@ -148,16 +149,16 @@ async def test_dead_letters_sharing_a_message_id_settled_at_once_all_reach_the_d
     """aiormq matches a return to its publish by message id: eight dead letters of one id,
     settled together after <channel>.dlq was deleted, all land in the declared-again DLQ."""
     transport = RabbitMQTransport(amqp_url)
-    connection = await aio_pika.connect(amqp_url)
+    connection = await aiormq.connect(amqp_url)
     try:
         await transport.connect()
         amqp = await connection.channel()
-        queue = await declare_channel(amqp, channel)
+        await declare_queues(amqp, channel)
         await send(amqp_url, channel, *[(body(i), "same-id", {}) for i in range(8)])
         deliveries = []
         for _ in range(8):
-            incoming = await queue.get(no_ack=False, timeout=5)
-            deliveries.append(RabbitDelivery(transport, channel, incoming))
+            frame = await amqp.basic_get(channel, no_ack=False, timeout=5)
+            deliveries.append(RabbitDelivery(transport, channel, frame))
         await delete_queues(amqp_url, dlq_name(channel))
         dead = Settlement(Action.DEAD_LETTER, reason=Reason.REJECTED, detail="not wanted")
         settled = await asyncio.gather(*(d.settle(dead) for d in deliveries))

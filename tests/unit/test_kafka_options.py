@@ -54,3 +54,15 @@ def test_with_options_adds_query_parameters() -> None:
 def test_a_request_size_below_one_byte_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="max_request_size must be at least 1"):
         KafkaOptions.from_url("kafka://127.0.0.1:9092?max_request_size=0").check()
+
+
+def test_batches_in_flight_is_bounded_by_what_a_partition_may_hold() -> None:
+    def depth(query: str) -> int:
+        return KafkaOptions.from_url(f"kafka://localhost:9092?{query}").depth
+
+    assert depth("batch_max=64") == 4  # the default
+    assert depth("batch_max=64&batches_in_flight=8") == 8
+    assert depth("batch_max=500&max_held=1000&batches_in_flight=8") == 2
+    assert depth("batch_max=64&max_held=10") == 1  # one batch at least
+    with pytest.raises(ConfigurationError, match="batches_in_flight"):
+        KafkaOptions.from_url("kafka://localhost:9092?batches_in_flight=0")

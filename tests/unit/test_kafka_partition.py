@@ -46,6 +46,7 @@ class Harness:
     decide: Decide = lambda _delivery: ACK
     batch_max: int = 64
     max_held: int = 1000
+    batches_in_flight: int = 2
     dead_letters_written: bool = True
     calls: list[list[tuple[int, int]]] = field(default_factory=list)  # [(offset, attempt)]
     paused: int = 0
@@ -62,6 +63,7 @@ class Harness:
             dead_letter=self.dead_letter,
             pause=self.pause,
             resume=self.resume,
+            batches_in_flight=self.batches_in_flight,
         )
 
     async def process(self, channel: str, deliveries: Sequence[Delivery]) -> None:
@@ -163,6 +165,25 @@ async def test_a_second_batch_runs_beside_the_first_except_for_the_keys_the_firs
     assert h.work.position() == 4
     assert h.resumed >= 1
     assert [offset for call in h.calls for offset, _ in call] == [3, 0, 1, 2]
+
+
+async def test_deeper_partitions_keep_a_keys_records_in_offset_order_over_several_batches() -> None:
+    """With four batches in flight, the third and fourth are fetched while the first two run;
+    a key present in all of them still runs in offset order, other keys at once, and the
+    partition is paused only at the fourth."""
+    h = Gated(0, batches_in_flight=4)
+    h.work.feed(records("a", "b"))  # offset 0 ("a") waits at its gate
+    h.work.feed(records("a", "c", start=2))
+    h.work.feed(records("a", "d", start=4))
+    assert h.paused == 0 and not h.work.full
+    h.work.feed(records("e", start=6))
+    assert h.paused == 1 and h.work.full
+    await asyncio.sleep(0.05)
+    assert {3, 5, 6} <= set(h.started) and not {2, 4} & set(h.started)
+    h.gates[0].set()
+    await h.idle()
+    assert h.started.index(0) < h.started.index(2) < h.started.index(4)
+    assert h.work.position() == 7
 
 
 async def test_a_partition_closed_while_a_batch_waits_for_an_earlier_one_starts_none_of_it() -> (
