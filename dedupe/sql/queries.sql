@@ -101,11 +101,16 @@ CROSS JOIN LATERAL (
 -- key is ours. Attempts start at 1, as in claim_batch; the token comes from the same sequence.
 -- The lock_timeout bounds this claim alone: RETURNING (evaluated once the row is in) lifts it
 -- for the rest of the transaction, whose statements statement_timeout bounds instead.
+-- The NOT EXISTS read of the statement's snapshot leaves a key with a committed row (a
+-- duplicate) out before the select list draws a token, so a duplicate burns no sequence value.
 INSERT INTO dedupe_claims AS c
     (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
      attempts, lease_until, expires_at, claim_request_id)
-VALUES ($1, $2, $3, $4, $5, $6, 'in_progress', nextval('dedupe_claim_tokens'), $7, 1,
-        now() + make_interval(secs => $8), now() + make_interval(secs => $9), $10::bigint)
+SELECT $1::text, $2::text, $3::bytea, $4::text, $5::bytea, $6::bytea, 'in_progress',
+       nextval('dedupe_claim_tokens'), $7::text, 1,
+       now() + make_interval(secs => $8::float8), now() + make_interval(secs => $9::float8),
+       $10::bigint
+WHERE NOT EXISTS (SELECT 1 FROM dedupe_claims f WHERE f.scope = $1::text AND f.key = $2::text)
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING c.token, set_config('lock_timeout', '0', true) AS lock_timeout;
 

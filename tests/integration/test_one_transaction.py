@@ -192,11 +192,14 @@ async def test_a_key_with_a_row_leaves_the_path_and_is_a_duplicate(
     store: ClaimStore, effects: asyncpg.Connection
 ) -> None:
     calls = Calls()
+    tokens = "SELECT last_value FROM dedupe_claim_tokens"
     async with processor(writer(calls), store) as worker:
         await worker.process(CH, deliveries(3))
+        drawn = await effects.fetchval(tokens)
         again = deliveries(3)  # a producer sent them twice: first deliveries again
         await worker.process(CH, again)
     assert [d.settlements[-1].duplicate for d in again] == [True] * 3
+    assert await effects.fetchval(tokens) == drawn  # a duplicate draws no token
     assert worker.stats.one_transaction_fallbacks == {onetx.KEY_EXISTS: 3}
     assert calls.count == {"k0": 1, "k1": 1, "k2": 1}
 
