@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from dedupe.app import App, Handler
 from dedupe.claims.leases import Lease, Leases
-from dedupe.claims.records import KeyId, Reason
+from dedupe.claims.records import ClaimRequest, KeyId, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import (
     Claims,
@@ -280,13 +280,7 @@ class Processor:
             if not onetx.first_delivery(message):
                 first.fall_back(onetx.REDELIVERY)
                 continue
-            request = request_for(
-                message,
-                key_func=handler.key_func,
-                scope_of=handler.scope_of,
-                fingerprint=handler.fingerprint,
-                keep_payload=handler.keep_payload,
-            )
+            request = _request(handler, message)
             if isinstance(request, Unclaimable):
                 first.fall_back(onetx.NO_KEY)
                 continue
@@ -335,13 +329,7 @@ class Processor:
         first_of: dict[KeyId, int] = {}
         repeats: list[tuple[int, int, Ticket]] = []
         for i, message in enumerate(messages):
-            request = request_for(
-                message,
-                key_func=handler.key_func,
-                scope_of=handler.scope_of,
-                fingerprint=handler.fingerprint,
-                keep_payload=handler.keep_payload,
-            )
+            request = _request(handler, message)
             if isinstance(request, Unclaimable):
                 planned[i] = _Planned(None, settled=dead_letter(request.reason, request.detail))
                 continue
@@ -507,6 +495,17 @@ class Processor:
             if deleted:
                 self.stats.gc_deleted += deleted
                 logger.info("clean-up removed %d expired claims", deleted)
+
+
+def _request(handler: Handler, message: Message) -> ClaimRequest | Unclaimable:
+    """The claim a message of `handler` asks for, or why it cannot be claimed."""
+    return request_for(
+        message,
+        key_func=handler.key_func,
+        scope_of=handler.scope_of,
+        fingerprint=handler.fingerprint,
+        keep_payload=handler.keep_payload,
+    )
 
 
 def _awaitable(planned: _Planned) -> Awaitable[Outcome]:
