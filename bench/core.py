@@ -32,11 +32,34 @@ from dedupe.testing.deliveries import MemoryDelivery, make_message  # noqa: E402
 from dedupe.transport import Action  # noqa: E402
 
 
-def deliveries(channel: str, start: int, count: int, *, prefix: str) -> list[MemoryDelivery]:
+def deliveries(
+    channel: str, start: int, count: int, *, prefix: str, meta: dict[str, Any] | None = None
+) -> list[MemoryDelivery]:
     return [
-        MemoryDelivery(make_message(channel, b'{"n": %d}' % i, message_id=f"{prefix}-{i}"))
+        MemoryDelivery(
+            make_message(channel, b'{"n": %d}' % i, message_id=f"{prefix}-{i}", meta=meta)
+        )
         for i in range(start, start + count)
     ]
+
+
+async def timed(
+    processor: Processor, channel: str, batches: list[list[MemoryDelivery]], side_by_side: int
+) -> tuple[float, float, int]:
+    """Process the batches, `side_by_side` at a time: (CPU s, wall s, deliveries acked)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    for group in range(0, len(batches), side_by_side):
+        await asyncio.gather(
+            *(processor.process(channel, batch) for batch in batches[group : group + side_by_side])
+        )
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    acked = sum(
+        1
+        for batch in batches
+        for d in batch
+        if d.outcome is not None and d.outcome.action is Action.ACK
+    )
+    return cpu, wall, acked
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,21 +85,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         deliveries(channel, i, min(args.batch, args.n - i), prefix=prefix)
                         for i in range(0, args.n, args.batch)
                     ]
-                    cpu, wall = time.process_time(), time.perf_counter()
-                    for group in range(0, len(batches), args.batches):
-                        await asyncio.gather(
-                            *(
-                                processor.process(channel, batch)
-                                for batch in batches[group : group + args.batches]
-                            )
-                        )
-                    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-                    acked = sum(
-                        1
-                        for batch in batches
-                        for d in batch
-                        if d.outcome is not None and d.outcome.action is Action.ACK
-                    )
+                    cpu, wall, acked = await timed(processor, channel, batches, args.batches)
                     rounds.append(
                         {
                             "kind": kind,

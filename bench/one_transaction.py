@@ -18,7 +18,6 @@ import asyncio
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import core  # noqa: E402
 from bench.harness import fresh_database  # noqa: E402
 from dedupe import App, Context  # noqa: E402
 from dedupe.claims.database import connect_pool  # noqa: E402
 from dedupe.claims.store import ClaimStore  # noqa: E402
 from dedupe.pipeline.processor import Processor  # noqa: E402
-from dedupe.testing.deliveries import MemoryDelivery, make_message  # noqa: E402
-from dedupe.transport import Action  # noqa: E402
+from dedupe.testing.deliveries import MemoryDelivery  # noqa: E402
 
 CHANNEL = "onetx"
 
@@ -50,17 +49,8 @@ def insert_app(one_transaction: bool) -> App:
 
 
 def deliveries(start: int, count: int, *, prefix: str) -> list[MemoryDelivery]:
-    return [
-        MemoryDelivery(
-            make_message(
-                CHANNEL,
-                b'{"n": %d}' % i,
-                message_id=f"{prefix}-{i}",
-                meta={"redelivered": False},  # first deliveries, as a broker marks them
-            )
-        )
-        for i in range(start, start + count)
-    ]
+    # First deliveries, as a broker marks them.
+    return core.deliveries(CHANNEL, start, count, prefix=prefix, meta={"redelivered": False})
 
 
 async def xact_commit(url: str) -> int:
@@ -96,21 +86,7 @@ async def one_round(
                     deliveries(i, min(args.batch, args.n - i), prefix=prefix)
                     for i in range(0, args.n, args.batch)
                 ]
-                cpu, wall = time.process_time(), time.perf_counter()
-                for group in range(0, len(batches), args.batches):
-                    await asyncio.gather(
-                        *(
-                            processor.process(CHANNEL, batch)
-                            for batch in batches[group : group + args.batches]
-                        )
-                    )
-                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-                acked = sum(
-                    1
-                    for batch in batches
-                    for d in batch
-                    if d.outcome is not None and d.outcome.action is Action.ACK
-                )
+                cpu, wall, acked = await core.timed(processor, CHANNEL, batches, args.batches)
                 stats = processor.stats.snapshot()
     await asyncio.sleep(1.0)  # the closed pool's backends report their counts as they exit
     return {
