@@ -19,6 +19,12 @@ class InvalidOption(ConfigurationError, ValueError):
     names the option."""
 
 
+class SchemaMismatch(ConfigurationError):
+    """The database's schema is not the one this dedupe-worker was built for (never migrated,
+    migrations pending, or migrated by a newer version); the message says which versions and
+    what to run."""
+
+
 class StoreError(DedupeError):
     """The claim store (PostgreSQL) could not be reached or refused a statement."""
 
