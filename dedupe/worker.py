@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from dedupe.app import App
 from dedupe.claims.database import check_schema, connect_pool, redact
 from dedupe.claims.store import ClaimStore
-from dedupe.errors import DedupeError
+from dedupe.errors import DedupeError, unknown_option
 from dedupe.observability import tracing
 from dedupe.observability.activity import Activity
 from dedupe.pipeline.observers import Observer
@@ -114,6 +114,10 @@ class Worker:
         publisher: Publisher | None = None,
         **options: Any,
     ) -> None:
+        for option in options:  # a typo (concurency=4) is an error, not a default
+            if option not in Settings.model_fields:
+                valid = [*Settings.model_fields, "settings", "observers", "transport", "publisher"]
+                raise unknown_option("Worker", option, valid)
         if settings is None:
             self.settings = Settings(**options)  # the DEDUPE_* variables, then these
         else:

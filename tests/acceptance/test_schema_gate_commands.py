@@ -128,3 +128,12 @@ async def test_migrate_and_its_check_exit_3_on_a_database_newer_than_this_code(
     assert migrated.returncode == 3, migrated.stdout + migrated.stderr
     assert "up to date" not in migrated.stdout
     assert_says(migrated.stderr, "newer")
+
+
+async def test_a_misspelt_dedupe_variable_is_named_in_the_commands_log(db_url: str) -> None:
+    result = run_cli(
+        "migrate", "--check", env={"DEDUPE_DATABASE_URL": db_url, "DEDUPE_CONCURENCY": "4"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert "DEDUPE_CONCURENCY" in result.stderr
+    assert "did you mean DEDUPE_CONCURRENCY?" in result.stderr
