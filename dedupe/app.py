@@ -8,12 +8,12 @@ import re
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Never, TypeVar
 
 from dedupe.claims.fingerprints import RAW, Fingerprint, FingerprintSpec, compile_fingerprint
 from dedupe.claims.keys import KeyFunc, KeySpec, compile_key
 from dedupe.decoding import Decoder, decoder_for
-from dedupe.errors import ConfigurationError, InvalidOption
+from dedupe.errors import ConfigurationError, InvalidOption, unknown_option
 from dedupe.message import Message
 from dedupe.webhooks.sources import DEFAULT_MAX_BODY_BYTES, WebhookSource
 from dedupe.webhooks.verifiers import Verifier
@@ -103,6 +103,7 @@ class App:
         fingerprint: FingerprintSpec = "raw",
         fingerprint_exclude: tuple[str, ...] = (),
         keep_payload: bool = False,
+        **unknown: Never,  # a typo: refused below with the closest name (and by mypy)
     ) -> Callable[[F], F]:
         """Register an async handler for `channel`.
 
@@ -144,6 +145,10 @@ class App:
                 claim) and a conflicting one beside it, so that a conflict shows which paths
                 differ and can be settled (`dedupe-worker conflicts settle`).
         """
+        for option in unknown:
+            named = inspect.signature(App.handler).parameters.values()
+            valid = [p.name for p in named if p.kind is p.KEYWORD_ONLY]
+            raise unknown_option(f"app.handler({channel!r})", option, valid)
 
         def register(fn: F) -> F:
             handler_name: str = name or str(getattr(fn, "__name__", ""))

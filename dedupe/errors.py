@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class DedupeError(Exception):
     """Something went wrong in dedupe-worker."""
@@ -17,6 +20,21 @@ class ConfigurationError(DedupeError):
 class InvalidOption(ConfigurationError, ValueError):
     """A handler option, or a combination of options, that cannot work as asked; the message
     names the option."""
+
+
+def unknown_option(where: str, name: str, valid: Iterable[str]) -> InvalidOption:
+    """The error for an option nobody defines (a typo): it names the closest valid one."""
+    known = sorted(set(valid))
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return InvalidOption(f"{where}: unknown option {name!r} — did you mean {close[0]!r}?")
+    return InvalidOption(f"{where}: unknown option {name!r}; the options are {', '.join(known)}")
+
+
+class SchemaMismatch(ConfigurationError):
+    """The database's schema is not the one this dedupe-worker was built for (never migrated,
+    migrations pending, or migrated by a newer version); the message says which versions and
+    what to run."""
 
 
 class StoreError(DedupeError):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dedupe.errors import unknown_option
 from dedupe.registry import installed_schemes, scheme_of
 
 DEFAULT_DATABASE_URL = "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
@@ -39,6 +41,14 @@ class Settings(BaseSettings):
     status_host: str = "127.0.0.1"
     status_port: int = Field(8081, ge=1, le=65_535)
     status_token: SecretStr | None = None
+
+    def __init__(self, **values: Any) -> None:
+        # A keyword argument no field has is a typo, never ignored (`extra="ignore"` is for
+        # the environment: DEDUPE_* variables of the commands' own options, or of other tools).
+        for name in values:
+            if name not in type(self).model_fields and not name.startswith("_"):
+                raise unknown_option("Settings", name, type(self).model_fields)
+        super().__init__(**values)
 
     @field_validator("log_format")
     @classmethod

@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from dedupe.app import App
-from dedupe.claims.database import connect_pool, redact
+from dedupe.claims.database import check_schema, connect_pool, redact
 from dedupe.claims.store import ClaimStore
-from dedupe.errors import ConfigurationError, DedupeError
+from dedupe.errors import DedupeError, unknown_option
 from dedupe.observability import tracing
 from dedupe.observability.activity import Activity
 from dedupe.pipeline.observers import Observer
@@ -73,13 +73,11 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-async def check_migrated(store: ClaimStore) -> None:
-    """Raise ConfigurationError when the database has no claims table."""
-    present = await store.pool.fetchval("SELECT to_regclass('dedupe_claims') IS NOT NULL")
-    if not present:
-        raise ConfigurationError(
-            "the claims table does not exist in this database; run `dedupe-worker migrate` first"
-        )
+async def check_migrated(store: ClaimStore, database_url: str | None = None) -> None:
+    """The schema gate: raise dedupe.errors.SchemaMismatch, naming `dedupe-worker migrate` and
+    both versions, unless the database has exactly the migrations this code ships (never
+    migrated, migrations pending, or migrated by a newer dedupe-worker all refuse)."""
+    await check_schema(store.pool, where=None if database_url is None else redact(database_url))
 
 
 def broker_unreachable(settings: Settings, exc: BaseException) -> DedupeError:
@@ -116,6 +114,10 @@ class Worker:
         publisher: Publisher | None = None,
         **options: Any,
     ) -> None:
+        for option in options:  # a typo (concurency=4) is an error, not a default
+            if option not in Settings.model_fields:
+                valid = [*Settings.model_fields, "settings", "observers", "transport", "publisher"]
+                raise unknown_option("Worker", option, valid)
         if settings is None:
             self.settings = Settings(**options)  # the DEDUPE_* variables, then these
         else:
@@ -160,7 +162,7 @@ class Worker:
             )
             self._resources.push_async_callback(pool.close)
             store = ClaimStore(pool, owner=settings.worker_name)
-            await check_migrated(store)
+            await check_migrated(store, settings.database_url)  # before a delivery is taken
             # The first messages after a start would otherwise wait for connects and planning.
             await store.warm_up(WARM_CONNECTIONS)
             activity = await self._resources.enter_async_context(Activity(store))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -78,8 +79,11 @@ class KafkaOptions:
         values: dict[str, Any] = dict(defaults)
         for name, raw in parse_qsl(parts.query, keep_blank_values=True):
             if name not in types:
+                close = difflib.get_close_matches(name, list(types), n=1)
+                hint = f" — did you mean {close[0]!r}?" if close else ""
                 raise ConfigurationError(
-                    f"unknown Kafka option {name!r} in the broker URL; known: {', '.join(types)}"
+                    f"unknown Kafka option {name!r} in the broker URL{hint} (known: "
+                    f"{', '.join(types)})"
                 )
             convert = {"int": int, "float": float}.get(str(types[name]), str)
             try:

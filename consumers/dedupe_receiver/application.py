@@ -27,6 +27,7 @@ from starlette.routing import BaseRoute, Route
 
 from dedupe.app import App
 from dedupe.asgi.problems import unavailable
+from dedupe.claims.database import check_schema, redact
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError, KeyMissing
 from dedupe.message import Headers
@@ -128,6 +129,10 @@ class Receiver:
                     ClaimStore.open(self.database_url, owner=self.owner, max_size=20)
                 )
                 stack.callback(setattr, self, "store", None)
+            # The schema gate: a database never migrated, or at another version, refuses the
+            # start (SchemaMismatch names `dedupe-worker migrate`), before a webhook is taken.
+            where = None if self.database_url is None else redact(self.database_url)
+            await check_schema(self.store.pool, where=where)
             self.activity = await stack.enter_async_context(Activity(self.store))
             stack.callback(setattr, self, "activity", None)
             checking = asyncio.create_task(

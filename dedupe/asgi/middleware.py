@@ -21,7 +21,14 @@ from dedupe.app import App
 from dedupe.asgi.intake import read_keyed
 from dedupe.asgi.keys import KeyRefused, key_of
 from dedupe.asgi.problems import ASGIMessage, Problem, Send, in_flight
-from dedupe.asgi.replies import answer, answer_for, bad_key, db_down, key_required
+from dedupe.asgi.replies import (
+    answer,
+    answer_for,
+    bad_key,
+    db_down,
+    key_required,
+    schema_refused,
+)
 from dedupe.asgi.run import (
     STORE_TIMEOUT_S,
     ASGIApp,
@@ -32,14 +39,14 @@ from dedupe.asgi.run import (
     run_unkeyed,
 )
 from dedupe.asgi.state import Idempotency
-from dedupe.claims.database import connect_pool
+from dedupe.claims.database import check_schema, connect_pool, redact
 from dedupe.claims.keys import KeySpec, compile_key
 from dedupe.claims.records import ClaimRequest
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import Claims, InFlight, Ours, Terms, Unavailable, Verdict
 from dedupe.context import Database
 from dedupe.effects.run_effects import RunEffects
-from dedupe.errors import ConfigurationError, StoreError
+from dedupe.errors import ConfigurationError, SchemaMismatch, StoreError
 from dedupe.observability.activity import Activity
 from dedupe.observability.metrics import Metrics
 
@@ -141,9 +148,16 @@ class IdempotencyMiddleware:
         self._routes: set[str] = set()
 
     # -- the pool: opened at lifespan startup or on the first covered request ------------------
+    #
+    # The schema gate: open() refuses a database never migrated, or at another schema version
+    # than this code's (SchemaMismatch, naming `dedupe-worker migrate`). In an ASGI lifespan
+    # the server is told the startup failed (uvicorn logs the message and exits); without
+    # one, every covered request gets a 503 `store-not-migrated` and an error in the log,
+    # until the database is migrated (the next request then opens it).
 
     async def open(self) -> ClaimStore:
-        """Connect the pool (once) and start the heartbeat; StoreError when unreachable."""
+        """Connect the pool (once), pass the schema gate and start the heartbeat; StoreError
+        when unreachable, SchemaMismatch when not migrated to this code's version."""
         async with self._opening:
             if self.store is not None:
                 return self.store
@@ -155,6 +169,7 @@ class IdempotencyMiddleware:
                 # endpoint's transaction for a connection.
                 claim_pool = await connect_pool(self.database_url, max_size=CLAIM_POOL_MAX_SIZE)
                 stack.push_async_callback(claim_pool.close)
+                await check_schema(pool, where=redact(self.database_url))
             except BaseException:
                 await stack.aclose()
                 raise
@@ -175,7 +190,11 @@ class IdempotencyMiddleware:
             await stack.aclose()
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refused: list[SchemaMismatch] = []
+
         async def receiving() -> ASGIMessage:
+            if refused:  # the server was told the startup failed: the app shuts down now
+                return {"type": "lifespan.shutdown"}
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
@@ -184,9 +203,20 @@ class IdempotencyMiddleware:
                     # Serve anyway: uncovered requests work, covered ones get a 503 and the
                     # pool is opened again on the next one.
                     logger.warning("the claims database is not reachable yet: %s", exc)
+                except SchemaMismatch as exc:
+                    logger.error("IdempotencyMiddleware refuses to start: %s", exc)
+                    refused.append(exc)
             return message
 
         async def sending(message: ASGIMessage) -> None:
+            if refused:
+                if message["type"] == "lifespan.startup.complete":
+                    message = {
+                        "type": "lifespan.startup.failed",
+                        "message": f"IdempotencyMiddleware: {refused[0]}",
+                    }
+                elif message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                    return  # the app's own shutdown, after the failed startup: not the server's
             if message["type"] in (
                 "lifespan.startup.failed",
                 "lifespan.shutdown.complete",
@@ -223,9 +253,9 @@ class IdempotencyMiddleware:
         if key is None:
             if self.required:
                 return await answer(send, key_required(), "refused")
-            store = await self._store_or_none()
-            if store is None:
-                return await answer(send, db_down(), "unavailable")
+            store = await self._store_or_problem()
+            if isinstance(store, Problem):
+                return await answer(send, store, "unavailable")
             state = scope.setdefault("state", {})
             db = Database(store.pool)
             state["idempotency"] = Idempotency(db=db, key=None, scope=None)
@@ -255,8 +285,10 @@ class IdempotencyMiddleware:
         tally: _Tally,
     ) -> tuple[str, str | None]:
         """Run the endpoint under the key's claim, or answer for the claim held elsewhere."""
-        store = await self._store_or_none()
-        if store is None or self._claims is None or self._leases is None:
+        store = await self._store_or_problem()
+        if isinstance(store, Problem):
+            return await answer(send, store, "unavailable")
+        if self._claims is None or self._leases is None:
             return await answer(send, db_down(), "unavailable")
         verdict = await self._claim_or_wait(request)
         if not isinstance(verdict, Ours):
@@ -335,14 +367,17 @@ class IdempotencyMiddleware:
         except TimeoutError:
             return Unavailable("the claim statement timed out")
 
-    async def _store_or_none(self) -> ClaimStore | None:
+    async def _store_or_problem(self) -> ClaimStore | Problem:
         if self.store is not None:
             return self.store
         try:
             return await self.open()
         except StoreError as exc:
             logger.warning("the claims database is unreachable: %s", exc)
-            return None
+            return db_down()
+        except SchemaMismatch as exc:
+            logger.error("IdempotencyMiddleware answers 503 to keyed requests: %s", exc)
+            return schema_refused()
 
     def _route_label(self, scope: Scope, route: str | None) -> str:
         label = route or getattr(scope.get("route"), "path", None) or str(scope.get("path", ""))

@@ -169,6 +169,16 @@ def db_down() -> Problem:
     return unavailable("the idempotency keys' database is unavailable; retry")
 
 
+def schema_refused() -> Problem:
+    """The claims database is not at this server's schema version (never migrated, or another
+    version): its log names `dedupe-worker migrate`; the client is not told how to fix it."""
+    return unavailable(
+        "the idempotency keys' database is not ready for this server (its schema version; "
+        "the server's log says what to run)",
+        slug="store-not-migrated",
+    )
+
+
 async def answer(send: Send, problem: Problem, outcome: str) -> tuple[str, str | None]:
     """Send a problem; return the outcome for the metrics (no route known)."""
     await problem.send(send)
@@ -223,5 +233,6 @@ __all__ = [
     "key_failed",
     "key_required",
     "no_principal",
+    "schema_refused",
     "too_large",
 ]

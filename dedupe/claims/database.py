@@ -1,15 +1,17 @@
 """The database connection: pools, the errors after which a statement may be sent again, the
-errors that mean a value was refused, and the numbered migrations."""
+errors that mean a value was refused, the numbered migrations and the schema gate."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
 
 from dedupe.claims.values import storable_text
-from dedupe.errors import StoreError
+from dedupe.errors import SchemaMismatch, StoreError
 from dedupe.sql import migrations
 
 GC_LOCK_ID = 0x6465_6475_7065  # "dedupe": one clean-up at a time across all workers
@@ -114,6 +116,99 @@ async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> as
     return pool
 
 
+def _named(versions: dict[int, str]) -> str:
+    return ", ".join(f"{version:04d}_{name}" for version, name in sorted(versions.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaVersion:
+    """The migrations a database records as applied, against those this code ships
+    (dedupe/sql/migrations: the version needed is the last file's, never a constant)."""
+
+    applied: dict[int, str] | None  # None: no dedupe_migrations table, never migrated
+    known: dict[int, str]
+
+    @classmethod
+    def of(cls, applied: dict[int, str] | None) -> SchemaVersion:
+        return cls(applied, {version: name for version, name, _ in migrations()})
+
+    @property
+    def needed(self) -> int:
+        return max(self.known)
+
+    @property
+    def found(self) -> int | None:
+        return max(self.applied) if self.applied else None
+
+    @property
+    def pending(self) -> dict[int, str]:
+        done = self.applied or {}
+        return {v: n for v, n in self.known.items() if v not in done}
+
+    @property
+    def unknown(self) -> dict[int, str]:
+        """Migrations applied that this code does not have: a newer dedupe-worker's."""
+        return {v: n for v, n in (self.applied or {}).items() if v not in self.known}
+
+    def _version(self, version: int | None, names: dict[int, str]) -> str:
+        if version is None:
+            return "none (no migration recorded)"
+        return f"{version} ({version:04d}_{names[version]})"
+
+    def problem(self, where: str | None = None) -> str | None:
+        """What is wrong for this code, with what to run; None when the schema is the one
+        this code needs."""
+        needed = self._version(self.needed, self.known)
+        at = f" ({where})" if where else ""
+        if self.applied is None:
+            return (
+                f"this database{at} was never migrated (it has no dedupe_migrations table): "
+                f"run `dedupe-worker migrate` first; this dedupe-worker needs schema version "
+                f"{needed}"
+            )
+        found = self._version(self.found, {**self.known, **self.applied})
+        if self.unknown:
+            return (
+                f"the database's schema{at} is newer than this dedupe-worker: found version "
+                f"{found}, with {_named(self.unknown)} unknown to this code, which needs version "
+                f"{needed}. A newer dedupe-worker migrated it: run that version (upgrade this "
+                "one); `dedupe-worker migrate` never takes a schema back"
+            )
+        if self.pending:
+            return (
+                f"the database's schema{at} is older than this dedupe-worker: found version "
+                f"{found}, this code needs version {needed} ({len(self.pending)} migration(s) "
+                f"pending: {_named(self.pending)}); run `dedupe-worker migrate`, then start again"
+            )
+        return None
+
+
+_STORE_DOWN = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+async def schema_version(db: Any) -> SchemaVersion:
+    """Read the migrations applied (`db`: a pool or a connection); StoreError when the
+    database cannot be asked."""
+    try:
+        if not await db.fetchval("SELECT to_regclass('dedupe_migrations') IS NOT NULL"):
+            return SchemaVersion.of(None)
+        rows = await db.fetch("SELECT version, name FROM dedupe_migrations")
+    except _STORE_DOWN as exc:
+        raise StoreError(f"cannot read the schema version: {said(exc)}") from exc
+    return SchemaVersion.of({row["version"]: row["name"] for row in rows})
+
+
+async def check_schema(db: Any, *, where: str | None = None) -> SchemaVersion:
+    """The gate every process that uses the store passes at start: raise SchemaMismatch
+    (naming `dedupe-worker migrate`) unless the database has exactly the migrations this code
+    ships. `where`: the database, redacted, for the message."""
+    version = await schema_version(db)
+    problem = version.problem(where)
+    if problem is not None:
+        raise SchemaMismatch(problem)
+    return version
+
+
 async def migrate(dsn: str, *, up_to: int | None = None) -> list[str]:
     """Apply the numbered migrations not yet applied (those up to version `up_to` alone, when
     given: a test's database as an older version left it); return the names applied."""
@@ -133,7 +228,11 @@ async def migrate(dsn: str, *, up_to: int | None = None) -> list[str]:
                 " version integer PRIMARY KEY, name text NOT NULL,"
                 " applied_at timestamptz NOT NULL DEFAULT now())"
             )
-            done = {r["version"] for r in await conn.fetch("SELECT version FROM dedupe_migrations")}
+            rows = await conn.fetch("SELECT version, name FROM dedupe_migrations")
+            done = {r["version"] for r in rows}
+            newer = SchemaVersion.of({r["version"]: r["name"] for r in rows})
+            if newer.unknown:
+                raise SchemaMismatch(newer.problem(redact(dsn)))
             for version, name, sql in migrations():
                 if version in done or (up_to is not None and version > up_to):
                     continue

@@ -14,9 +14,11 @@ from collections.abc import Sequence
 from dedupe.cli.options import (
     UsageError,
     load_app,
+    logger,
     loop_factory,
     make_publisher,
     make_transport,
+    misspelt_variables,
     read_environment,
     settings_from,
 )
@@ -34,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         parser.exit(2, f"dedupe-worker: error: {exc}\n")
     logs.configure(settings.log_level, settings.log_format)
+    for warning in misspelt_variables(parser, os.environ):
+        logger.warning("%s", warning)
     try:
         with (
             contextlib.suppress(KeyboardInterrupt),

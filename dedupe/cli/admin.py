@@ -4,22 +4,34 @@ dlq list|replay."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
-from dedupe.claims.database import migrate
+from dedupe.claims.database import migrate, redact, schema_version
 from dedupe.claims.store import ClaimStore
 from dedupe.cli.options import cell, confirm, print_rows
+from dedupe.errors import SchemaMismatch
 from dedupe.operations.claims import FINISHED, ClaimAdmin, NotSettled
 from dedupe.plugins import TransportPlugin, transport_plugin
 from dedupe.settings import Settings
-from dedupe.worker import broker_unreachable
+from dedupe.worker import broker_unreachable, check_migrated
+
+# `migrate` and `migrate --check`: the database holds migrations this code does not know.
+EXIT_NEWER = 3
 
 
 async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    applied = await migrate(settings.database_url)
+    if args.check:
+        return await _check(settings)
+    try:
+        applied = await migrate(settings.database_url)
+    except SchemaMismatch as exc:
+        print(f"dedupe-worker: error: {exc}", file=sys.stderr)
+        return EXIT_NEWER
     if applied:
         print(f"applied {len(applied)} migration(s): {', '.join(applied)}")
     else:
@@ -27,8 +39,29 @@ async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def _check(settings: Settings) -> int:
+    """`migrate --check`: 0 up to date, 1 migrations pending, EXIT_NEWER newer than this code;
+    one line saying which, and nothing changed."""
+    async with ClaimStore.open(settings.database_url, owner="migrate", max_size=1) as store:
+        version = await schema_version(store.pool)
+    problem = version.problem(redact(settings.database_url))
+    if problem is None:
+        print(f"the database is up to date: schema version {version.needed}, nothing pending")
+        return 0
+    print(problem)
+    return EXIT_NEWER if version.unknown else 1
+
+
+@contextlib.asynccontextmanager
+async def _store(settings: Settings, owner: str) -> AsyncIterator[ClaimStore]:
+    """The claims database, once it passed the schema gate."""
+    async with ClaimStore.open(settings.database_url, owner=owner) as store:
+        await check_migrated(store, settings.database_url)
+        yield store
+
+
 async def cmd_gc(args: argparse.Namespace, settings: Settings) -> int:
-    async with ClaimStore.open(settings.database_url, owner="gc") as store:
+    async with _store(settings, "gc") as store:
         deleted = await store.gc(batch_size=args.batch_size, max_batches=args.max_batches)
     if deleted is None:
         print("another clean-up is running; nothing done")
@@ -38,7 +71,7 @@ async def cmd_gc(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def cmd_claims(args: argparse.Namespace, settings: Settings) -> int:
-    async with ClaimStore.open(settings.database_url, owner="admin") as store:
+    async with _store(settings, "admin") as store:
         if args.claims_command == "list":
             rows = await store.list_claims(
                 scope=args.scope,
@@ -141,7 +174,7 @@ def _print_conflict(conflict: dict[str, Any], claim: str) -> None:
 
 
 async def cmd_conflicts(args: argparse.Namespace, settings: Settings) -> int:
-    async with ClaimStore.open(settings.database_url, owner="admin") as store:
+    async with _store(settings, "admin") as store:
         admin = ClaimAdmin(store)
         if args.conflicts_command == "list":
             rows = await admin.conflicts(scope=args.scope, settled=args.all, limit=args.limit)
@@ -226,7 +259,7 @@ async def _dlq(args: argparse.Namespace, settings: Settings, plugin: TransportPl
         print("nothing done")
         return 1
     released: list[str] = []
-    async with ClaimStore.open(settings.database_url, owner="admin") as store:
+    async with _store(settings, "admin") as store:
 
         async def release(scope: str, key: str) -> None:
             if await store.release_failed(scope, key):

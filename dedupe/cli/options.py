@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import difflib
 import importlib
 import logging
 import sys
@@ -171,6 +172,26 @@ def read_environment(
                 if isinstance(marker, FromEnvironment):
                     raw = environ.get(marker.variable, "")
                     setattr(args, action.dest, _from_text(action, marker, raw))
+
+
+def misspelt_variables(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[str]:
+    """A warning per DEDUPE_* variable no setting or option reads that is one slip away from
+    one that does (DEDUPE_CONCURENCY). Others are left alone: the prefix is not ours alone."""
+    known = {f"DEDUPE_{name.upper()}" for name in Settings.model_fields}
+    for _, command in commands(parser):
+        for action in command._actions:
+            if isinstance(action.default, FromEnvironment):
+                known.add(action.default.variable)
+    warnings = []
+    for name in sorted(environ):
+        if name.startswith("DEDUPE_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.9)
+            if close:
+                warnings.append(
+                    f"the environment variable {name} is not one dedupe-worker reads (ignored) "
+                    f"— did you mean {close[0]}?"
+                )
+    return warnings
 
 
 def _from_text(action: argparse.Action, marker: FromEnvironment, raw: str) -> Any:

@@ -28,10 +28,24 @@ def add_migrate(sub: Commands) -> None:
         description="Create the tables dedupe-worker keeps in PostgreSQL (claims, their history, "
         "dead letters), or bring them up to date after an upgrade. Only the migrations not "
         "applied yet run, under a lock: it is safe to run again, and from several processes "
-        "at once. Run it before the first worker starts.",
-        epilog=EXIT_STATUS,
+        "at once. Run it before the first worker starts: every worker, receiver, middleware "
+        "and operator command refuses a database whose schema is older or newer than its own "
+        "code's. --check changes nothing: it says whether migrations are pending (for deploy "
+        "pipelines).",
+        epilog="exit status: 0 when the database is (or was brought) up to date, 1 when "
+        "migrations are pending (--check) or the command could not do what was asked (its "
+        "message says why), 2 on a bad option or environment variable, 3 when the database "
+        "was migrated by a newer dedupe-worker (this one knows fewer migrations: upgrade it).",
     )
     add_common(migrate, broker=False)
+    add_option(
+        migrate,
+        "--check",
+        action="store_true",
+        default=False,
+        help="apply nothing; exit 1 when migrations are pending, 3 when the database is newer "
+        "than this dedupe-worker, 0 when it is up to date",
+    )
     migrate.set_defaults(handler=cmd_migrate)
 
 

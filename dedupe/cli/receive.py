@@ -31,7 +31,7 @@ async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:
     )
     async with pool:
         store = ClaimStore(pool, owner=settings.worker_name)
-        await check_migrated(store)
+        await check_migrated(store, settings.database_url)
         serving = Serving(
             settings=settings,
             store=store,

@@ -18,7 +18,7 @@ from dedupe.worker import check_migrated
 
 async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     async with ClaimStore.open(settings.database_url, owner="status") as store:
-        await check_migrated(store)
+        await check_migrated(store, settings.database_url)
         if args.serve:
             return await _serve(store, settings)
         admin = ClaimAdmin(store)
