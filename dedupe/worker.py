@@ -170,6 +170,7 @@ class Worker:
             tracer = tracing.tracer_for(store)
             if tracer is not None:
                 observers.append(await self._resources.enter_async_context(tracer))
+                self._resources.callback(tracer.watch(self.app))  # a run's span, current
             self._processor = await self._resources.enter_async_context(
                 Processor(
                     self.app,

@@ -31,6 +31,7 @@ from dedupe.claims.database import check_schema, redact
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError, KeyMissing
 from dedupe.message import Headers
+from dedupe.observability import tracing
 from dedupe.observability.activity import Activity
 from dedupe.observability.metrics import Metrics
 from dedupe.transport import Publisher
@@ -213,6 +214,15 @@ class Receiver:
             )
         return await self._claim(source, identity, forward, body)
 
+    async def traced_webhook(self, request: Request) -> Response:
+        """webhook() in a SERVER span (OpenTelemetry), which the forwarded message carries on."""
+        name = request.path_params["source"]
+        attributes = {"dedupe.webhook.source": name, "http.request.method": request.method}
+        with tracing.server_span(f"dedupe.receive {name}", request.headers, attributes) as span:
+            response = await self.webhook(request)
+            tracing.annotate(span, **{"http.response.status_code": response.status_code})
+            return response
+
     def _unidentified(self, source: WebhookSource, exc: Exception) -> Response:
         """The answer to a request `source` cannot identify: unauthenticated (401), without
         a key (400), or a source that cannot verify at all (500)."""
@@ -252,6 +262,8 @@ class Receiver:
             return respond(
                 unavailable("the receiver has not started (lifespan)", slug="not-started")
             )
+        tracing.annotate_current(**{"dedupe.scope": identity.scope, "dedupe.key": identity.key})
+        forward = {**forward, **tracing.trace_headers()}  # the worker's span: our child
         intake = Intake(
             store=store,
             publisher=publisher,
@@ -358,7 +370,7 @@ def create_receiver(
         metrics_interval_s=metrics_interval_s,
     )
     routes: list[BaseRoute] = [
-        Route("/webhooks/{source}", receiver.webhook, methods=["POST"]),
+        Route("/webhooks/{source}", receiver.traced_webhook, methods=["POST"]),
         Route("/healthz", receiver.healthz, methods=["GET"]),
         Route("/readyz", receiver.readyz, methods=["GET"]),
     ]

@@ -47,6 +47,7 @@ from dedupe.claims.verdicts import Claims, InFlight, Ours, Terms, Unavailable, V
 from dedupe.context import Database
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import ConfigurationError, SchemaMismatch, StoreError
+from dedupe.observability import tracing
 from dedupe.observability.activity import Activity
 from dedupe.observability.metrics import Metrics
 
@@ -236,10 +237,19 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
         else:
             tally = _Tally()
-            try:
-                tally.outcome, tally.route = await self._serve(scope, receive, send, tally)
-            finally:
-                self.metrics.http_answered(self._route_label(scope, tally.route), tally.outcome)
+            name = f"dedupe.http {scope['method']}"
+            headers = tracing.asgi_headers(scope)
+            with tracing.server_span(
+                name, headers, {"http.request.method": scope["method"]}
+            ) as span:
+                scope = tracing.with_trace_headers(scope)  # the endpoint's spans: our children
+                try:
+                    tally.outcome, tally.route = await self._serve(scope, receive, send, tally)
+                finally:
+                    self.metrics.http_answered(self._route_label(scope, tally.route), tally.outcome)
+                    tracing.annotate(
+                        span, **{"dedupe.outcome": tally.outcome, "http.route": tally.route}
+                    )
 
     async def _serve(
         self, scope: Scope, receive: Receive, send: Send, tally: _Tally
@@ -285,6 +295,7 @@ class IdempotencyMiddleware:
         tally: _Tally,
     ) -> tuple[str, str | None]:
         """Run the endpoint under the key's claim, or answer for the claim held elsewhere."""
+        tracing.annotate_current(**{"dedupe.scope": request.scope, "dedupe.key": request.key})
         store = await self._store_or_problem()
         if isinstance(store, Problem):
             return await answer(send, store, "unavailable")

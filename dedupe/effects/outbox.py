@@ -31,7 +31,26 @@ from dedupe.errors import BrokerUnavailable, StoreError
 from dedupe.sql import queries
 from dedupe.transport import Publisher
 
+try:  # the `otel` extra: a row carries the trace context of the run that published it
+    from opentelemetry import propagate as _propagate
+except ImportError:  # pragma: no cover - depends on the install
+    _propagate = None  # type: ignore[assignment]
+
 logger = logging.getLogger(__name__)
+
+
+def with_trace_context(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` plus the W3C trace context (`traceparent`, `tracestate`) of the span current
+    now (a run's message span, in ctx.publish), unless they carry one already: the relay sends
+    it with the row, so the next stage's span is a child of the publishing run's. Without
+    OpenTelemetry, or outside any span, `headers` as they are."""
+    if _propagate is None:
+        return headers
+    carrier: dict[str, str] = {}
+    _propagate.inject(carrier)
+    if carrier and not any(name.lower() in carrier for name in headers):
+        headers.update(carrier)
+    return headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,4 +314,5 @@ __all__ = [
     "backlog",
     "backlog_by_channel",
     "gc",
+    "with_trace_context",
 ]

@@ -19,7 +19,7 @@ from dedupe.claims.database import TRANSIENT_ERRORS
 from dedupe.claims.records import Fence
 from dedupe.claims.values import step_json
 from dedupe.context import Database
-from dedupe.effects.outbox import Outgoing
+from dedupe.effects.outbox import Outgoing, with_trace_context
 from dedupe.errors import DedupeError, LeaseLost, StoreError
 from dedupe.sql import queries
 
@@ -97,7 +97,7 @@ class RunEffects:
                 channel=channel,
                 message_id=message_id,
                 body=data,
-                headers={str(k): str(v) for k, v in (headers or {}).items()},
+                headers=with_trace_context({str(k): str(v) for k, v in (headers or {}).items()}),
                 content_type=content_type,
             )
         )

@@ -10,15 +10,27 @@ the pipeline concluded its outcome, with the attributes `dedupe.scope`, `dedupe.
 the run that completed a key is stored with the claim (`trace_id`); a duplicate's span gets it as
 `dedupe.original_trace_id`, so it points at the run that did the work. Both writes are
 batched every `interval_s` by a background task, never made per message.
+
+A message that is run has its span opened when its run begins (the app hook's "claimed"
+stage, registered by `Tracing.watch(app)`) and made current while its handler runs: the
+handler's own spans are its children, and so is whatever it publishes (`ctx.publish` stores
+the span's `traceparent` with the outbox row, dedupe.effects.outbox.with_trace_context), so
+the next stage's span continues the trace. The webhook receiver and the HTTP middleware open a
+SERVER span per request (`server_span`), which the worker's span of a forwarded message, or
+the endpoint's own spans, are children of.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
+from dedupe.app import App
 from dedupe.claims.records import KeyId
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import StoreError
@@ -28,13 +40,18 @@ from dedupe.sql import queries
 from dedupe.transport import Settlement
 
 try:
+    from opentelemetry import context as otel_context
     from opentelemetry import propagate, trace
 except ImportError:  # pragma: no cover - depends on the install
     trace = None  # type: ignore[assignment]
     propagate = None  # type: ignore[assignment]
+    otel_context = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 MAX_PENDING = 10_000
+
+# The otel context token of the run span this task made current (reset once the run is done).
+_attached: contextvars.ContextVar[Any] = contextvars.ContextVar("dedupe_run_span", default=None)
 
 
 def available() -> bool:
@@ -62,6 +79,8 @@ class Tracing(FlushingObserver):
         self.interval_s = interval_s
         self.tracer = trace.get_tracer("dedupe-worker", tracer_provider=tracer_provider)
         self._completed: list[tuple[str, str, str]] = []
+        # Spans of runs under way, by (message, scope): opened at the claim, ended concluded.
+        self._running: dict[tuple[int, str], Any] = {}
         self._duplicates: list[tuple[str, str, Any]] = []
         self._q = queries("operations.sql")
         # One flush at a time: a flush asked for while the background one writes waits for it,
@@ -91,14 +110,19 @@ class Tracing(FlushingObserver):
             attributes["messaging.message.id"] = message.message_id
         if settlement.reason is not None:
             attributes["dedupe.reason"] = str(settlement.reason)
-        start_ns = time.time_ns() - int((time.perf_counter() - started) * 1e9)
-        span = self.tracer.start_span(
-            f"dedupe.process {handler}",
-            context=propagate.extract(dict(message.headers)),
-            kind=trace.SpanKind.CONSUMER,
-            attributes=attributes,
-            start_time=start_ns,
-        )
+        span = self._running.pop((id(message), scope), None)
+        if span is not None:  # a run's: opened when it began
+            span.update_name(f"dedupe.process {handler}")
+            span.set_attributes(attributes)
+        else:
+            start_ns = time.time_ns() - int((time.perf_counter() - started) * 1e9)
+            span = self.tracer.start_span(
+                f"dedupe.process {handler}",
+                context=propagate.extract(dict(message.headers)),
+                kind=trace.SpanKind.CONSUMER,
+                attributes=attributes,
+                start_time=start_ns,
+            )
         if not span.is_recording():
             span.end()
             return
@@ -111,6 +135,50 @@ class Tracing(FlushingObserver):
         elif outcome == "duplicate" and len(self._duplicates) < MAX_PENDING:
             self._duplicates.append((scope, key, span))  # ended once its origin is known
         else:
+            span.end()
+
+    # -- a run's span, current while its handler runs -------------------------------------
+
+    def watch(self, app: App) -> Callable[[], None]:
+        """Register the app hook that opens a run's span when its claim is ours and makes it
+        current for its handler (before the Processor is made: it reads the hooks then);
+        returns what unregisters it."""
+        app.hook("claimed")(self._run_began)
+        entry = app.hooks[-1]
+
+        def unwatch() -> None:
+            with contextlib.suppress(ValueError):
+                app.hooks.remove(entry)
+
+        return unwatch
+
+    async def _run_began(self, stage: str, message: Message, scope: str, key: str) -> None:
+        assert trace is not None and propagate is not None and otel_context is not None
+        _detach()  # a run before this one in this task that never got to ran()
+        span = self._running.get((id(message), scope))
+        if span is None:  # not a later attempt of a run under way
+            if len(self._running) >= MAX_PENDING:
+                return
+            span = self.tracer.start_span(
+                f"dedupe.process {scope}",
+                context=propagate.extract(dict(message.headers)),
+                kind=trace.SpanKind.CONSUMER,
+                attributes={"dedupe.scope": scope, "dedupe.key": key},
+            )
+            if not span.is_recording():
+                span.end()
+                return
+            self._running[(id(message), scope)] = span
+        _attached.set(otel_context.attach(trace.set_span_in_context(span)))
+
+    def ran(self, handler: str, seconds: float, *, ok: bool) -> None:
+        """The handler's attempt is over (in the run's task): its span is current no more."""
+        _detach()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await super().__aexit__(*exc)
+        running, self._running = self._running, {}
+        for span in running.values():  # runs never concluded (the worker stopped under them)
             span.end()
 
     async def flush(self) -> None:
@@ -141,4 +209,89 @@ class Tracing(FlushingObserver):
                 span.end()
 
 
-__all__ = ["Tracing", "available", "tracer_for"]
+def _detach() -> None:
+    token = _attached.get()
+    if token is not None and otel_context is not None:
+        _attached.set(None)
+        otel_context.detach(token)
+
+
+# -- the receiver's and the middleware's spans ---------------------------------------------
+
+
+@contextlib.contextmanager
+def server_span(
+    name: str, headers: Mapping[str, str], attributes: Mapping[str, Any] | None = None
+) -> Iterator[Any]:
+    """A SERVER span around one HTTP request, current inside the block, continuing the
+    client's trace (its `traceparent`); yields it (None without OpenTelemetry). An exception
+    is recorded on it and goes on."""
+    if trace is None or propagate is None:
+        yield None
+        return
+    tracer = trace.get_tracer("dedupe-worker")
+    with tracer.start_as_current_span(
+        name,
+        context=propagate.extract(dict(headers)),
+        kind=trace.SpanKind.SERVER,
+        attributes=dict(attributes or {}),
+    ) as span:
+        yield span
+
+
+def annotate(span: Any, **attributes: Any) -> None:
+    """Set attributes on `span` (from server_span; None: nothing), leaving out None values."""
+    if span is not None and span.is_recording():
+        span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
+
+def annotate_current(**attributes: Any) -> None:
+    """Set attributes on the current span, if OpenTelemetry records one."""
+    if trace is not None:
+        annotate(trace.get_current_span(), **attributes)
+
+
+def trace_headers() -> dict[str, str]:
+    """The W3C trace context of the current span (`traceparent`, `tracestate`), to forward;
+    empty without OpenTelemetry or a recording span."""
+    if propagate is None:
+        return {}
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def with_trace_headers(scope: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """An ASGI scope whose `traceparent` (and `tracestate`) are the current span's, so that the
+    app's own instrumentation (which reads them from the request) continues from it."""
+    ours = trace_headers()
+    if not ours:
+        return scope
+    kept = [
+        (name, value)
+        for name, value in scope.get("headers", [])
+        if bytes(name).lower() not in (b"traceparent", b"tracestate")
+    ]
+    added = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in ours.items()]
+    return {**scope, "headers": kept + added}
+
+
+def asgi_headers(scope: Mapping[str, Any]) -> dict[str, str]:
+    """An ASGI scope's headers as text (the last of a repeated one)."""
+    return {
+        bytes(name).decode("latin-1").lower(): bytes(value).decode("latin-1")
+        for name, value in scope.get("headers", [])
+    }
+
+
+__all__ = [
+    "Tracing",
+    "annotate",
+    "annotate_current",
+    "asgi_headers",
+    "available",
+    "server_span",
+    "trace_headers",
+    "tracer_for",
+    "with_trace_headers",
+]

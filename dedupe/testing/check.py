@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,11 @@ CASES: tuple[Case, ...] = (
     Case("ack lost", "acked, but the broker never got the ack", _ack_lost),
     Case("crash after claim", "the worker died before the handler ran", _crash("claimed")),
     Case(
+        "crash after step",
+        "the worker died after a ctx.step's function returned, before its result was recorded",
+        _crash("stepped"),
+    ),
+    Case(
         "crash after handler",
         "the worker died after the handler returned, before the commit",
         _crash("handled"),
@@ -103,7 +108,9 @@ CASES: tuple[Case, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class CaseResult:
-    """What one case did: the handler's starts, its rows and external calls, the outcome."""
+    """What one case did: the handler's starts, its rows and external calls, the outcome;
+    what differs from a single delivery (`problems`) and what most likely causes it
+    (`causes`); `reached`: False when the case's crash point never came (no ctx.step)."""
 
     case: Case
     runs: list[Run]
@@ -112,10 +119,20 @@ class CaseResult:
     outcome: str
     problems: list[str]
     seconds: float
+    causes: list[str] = field(default_factory=list)
+    reached: bool = True
+    published: list[tuple[str, str, bytes]] = field(default_factory=list)
+    detail: str | None = None  # the last dead letter's detail, if any
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def verdict(self) -> str:
+        if self.problems:
+            return "FAIL"
+        return "ok" if self.reached else "n/a"
 
 
 class Report:
@@ -145,7 +162,7 @@ class Report:
                 "-" if r.rows is None else str(len(r.rows)),
                 _calls(r.calls),
                 r.outcome,
-                "ok" if r.ok else "FAIL",
+                r.verdict,
             )
             for r in self.results
         ]
@@ -159,11 +176,18 @@ class Report:
             "cases:",
         ]
         lines += [f"  {r.case.name}: {r.case.what}" for r in self.results]
+        unreached = [r for r in self.results if not r.reached]
+        if unreached:
+            names = ", ".join(r.case.name for r in unreached)
+            lines.append(f"n/a: {names}: never reached (the handler called no ctx.step)")
         if failed:
             lines += ["", "failures:"]
             for result in failed:
                 lines.append(f"  {result.case.name}:")
                 lines += [f"    {problem}" for problem in result.problems]
+                lines += [f"    likely cause: {cause}" for cause in result.causes]
+                if result.detail:
+                    lines.append(f"    dead letter: {result.detail}")
                 if result.rows is not None:
                     lines.append(f"    rows: {_rows(result.rows)}")
                 if result.calls:
@@ -198,11 +222,13 @@ async def check_exactly_once(
 ) -> Report:
     """Run one message through every case in CASES and compare each with a single delivery.
 
-    A case fails when it leaves another number of `effects` rows than a single delivery did
-    (a ctx.db write twice, or lost), when its `external` calls carry more distinct keys (a
-    repeated call the other side cannot recognise), or when it ends otherwise (a dead letter
-    where a single delivery was acked). Raises NotExactlyOnce (an AssertionError) with the
-    table then; returns the Report otherwise.
+    A case fails when its `effects` rows are not those of a single delivery (compared by
+    content, as multisets: a write twice, one lost, one with other values), when its
+    `external` calls carry more distinct keys (a repeated call the other side cannot
+    recognise), when it publishes (ctx.publish) other message ids, or one id with two bodies,
+    or when it ends otherwise (a dead letter where a single delivery was acked). Raises
+    NotExactlyOnce (an AssertionError) with the table, the differing rows and the likely
+    cause of each failure then; returns the Report otherwise.
 
     Args:
         app: The app under test, as the worker runs it.
@@ -278,9 +304,30 @@ async def _play(
         rows = await _effects(run, effects)
         outcome = _outcome(run)
         runs = list(run.runs)
+        reached = not run.armed
+        published = [(m.channel, m.message_id or "", m.body) for m in run.published]
+        detail = run.dead_letters[-1].detail if run.dead_letters else None
     calls = external.calls[first_call:] if external is not None else []
-    problems = [] if baseline is None else _compare(rows, calls, outcome, baseline)
-    return CaseResult(case, runs, rows, calls, outcome, problems, time.perf_counter() - began)
+    problems: list[str] = []
+    causes: list[str] = []
+    if baseline is not None:
+        repeated = sum(r.ran for r in runs) > 1
+        problems = _compare(rows, calls, outcome, baseline, published=published, repeated=repeated)
+        if problems:
+            causes = _causes(case, rows, calls, outcome, baseline, published=published, runs=runs)
+    return CaseResult(
+        case,
+        runs,
+        rows,
+        calls,
+        outcome,
+        problems,
+        time.perf_counter() - began,
+        causes=causes,
+        reached=reached,
+        published=published,
+        detail=detail,
+    )
 
 
 async def _effects(run: TestRun, effects: Effects | None) -> list[tuple[Any, ...]] | None:
@@ -299,14 +346,52 @@ def _outcome(run: TestRun) -> str:
 
 
 def _compare(
-    rows: list[tuple[Any, ...]] | None, calls: list[Call], outcome: str, baseline: CaseResult
+    rows: list[tuple[Any, ...]] | None,
+    calls: list[Call],
+    outcome: str,
+    baseline: CaseResult,
+    *,
+    published: list[tuple[str, str, bytes]] | None = None,
+    repeated: bool = True,
 ) -> list[str]:
+    """What differs from a single delivery. `repeated`: whether the handler was called more
+    than once in the case; if not, rows as many as the single delivery's but with other values
+    are what any two separate runs make up differently (a uuid, the time), not a repeat."""
     problems = []
-    if rows is not None and baseline.rows is not None and len(rows) != len(baseline.rows):
-        problems.append(
-            f"{len(rows)} effect rows where a single delivery left {len(baseline.rows)}"
-            + (": a write outside ctx.db, or one that repeats" if len(rows) > 1 else "")
-        )
+    if rows is not None and baseline.rows is not None:
+        extra, missing = _difference(rows, baseline.rows)
+        if (extra or missing) and (repeated or len(rows) != len(baseline.rows)):
+            if len(rows) != len(baseline.rows):
+                what = f"{len(rows)} effect rows where a single delivery left {len(baseline.rows)}"
+            else:
+                what = f"{len(rows)} effect rows as a single delivery left, but not the same"
+            differ = [f"not left by a single delivery: {_rows(extra)}"] if extra else []
+            differ += [f"missing: {_rows(missing)}"] if missing else []
+            problems.append(f"{what} ({'; '.join(differ)})")
+    if published is not None:
+        # By id (a relay may send a row twice: the same message, a duplicate downstream); a
+        # body may differ from the single delivery's (a timestamp), not between two sends.
+        ids, expected_ids = _ids(published), _ids(baseline.published)
+        if ids - expected_ids:
+            problems.append(
+                "published messages a single delivery did not publish: "
+                + _messages(m for m in published if (m[0], m[1]) in ids - expected_ids)
+            )
+        if expected_ids - ids:
+            problems.append(
+                "messages a single delivery published that are missing: "
+                + _messages(m for m in baseline.published if (m[0], m[1]) in expected_ids - ids)
+            )
+        bodies: dict[tuple[str, str], set[bytes]] = {}
+        for channel, message_id, body in published:
+            bodies.setdefault((channel, message_id), set()).add(body)
+        for (channel, message_id), seen in bodies.items():
+            if len(seen) > 1:
+                problems.append(
+                    f"{channel} {message_id!r} published with {len(seen)} different bodies: "
+                    "a consumer that checks payloads takes the second for a key conflict, one "
+                    "that does not drops it"
+                )
     keys, expected = distinct_keys(calls), distinct_keys(baseline.calls)
     if keys > expected:
         problems.append(
@@ -317,6 +402,106 @@ def _compare(
     if outcome != baseline.outcome:
         problems.append(f"ended {outcome} where a single delivery was {baseline.outcome}")
     return problems
+
+
+OUTSIDE_CTX_DB = (
+    "a write outside ctx.db: it commits at once, so what a run that died or was taken over "
+    "wrote stays, and its retry writes again (write through ctx.db: it commits with the "
+    "outcome, or not at all)"
+)
+NOT_FROM_KEY = (
+    "an external call keyed by something not derived from ctx.key (uuid4(), a timestamp, "
+    "a counter): a retry calls again with another key, which the other side takes for a new "
+    'call (pass ctx.key, or f"{ctx.key}/<what>")'
+)
+STEP_NOT_IDEMPOTENT = (
+    "a ctx.step whose function is not idempotent on retry: the worker died after its call "
+    "and before its record, so the retry called it again, with another key (give the "
+    'external system f"{ctx.key}/<step name>" as its idempotency key)'
+)
+NO_KEY = (
+    "an external call without an idempotency key: a retry's call cannot be told from a new "
+    "one (pass one derived from ctx.key)"
+)
+PUBLISH_KEY = (
+    "a ctx.publish(key=...) not derived from ctx.key: a retry publishes another message "
+    "(leave key= out, or derive it from ctx.key)"
+)
+RETRY_FAILED = (
+    "the retry of a run that died failed where a single delivery did not: most likely on "
+    "what the dead run wrote outside ctx.db (a unique key it left, say); or a max_attempts "
+    "too low to retry after a crash"
+)
+
+
+def _causes(
+    case: Case,
+    rows: list[tuple[Any, ...]] | None,
+    calls: list[Call],
+    outcome: str,
+    baseline: CaseResult,
+    *,
+    published: list[tuple[str, str, bytes]],
+    runs: list[Run],
+) -> list[str]:
+    """The likely causes of a case's differences from a single delivery, most likely first."""
+    causes: list[str] = []
+    repeated = sum(r.ran for r in runs) > 1
+    new_keys = distinct_keys(calls) > distinct_keys(baseline.calls)
+    if new_keys:
+        if any(call.key is None for call in calls):
+            causes.append(NO_KEY)
+        if any(call.key is not None for call in calls):
+            causes.append(STEP_NOT_IDEMPOTENT if case.name == "crash after step" else NOT_FROM_KEY)
+    if rows is not None and baseline.rows is not None:
+        extra, missing = _difference(rows, baseline.rows)
+        more = len(rows) > len(baseline.rows)
+        # Other values in as many rows, with new keys: most likely made from the new key.
+        if repeated and (more or (extra and not new_keys)):
+            causes.append(OUTSIDE_CTX_DB)
+        elif (extra or missing) and not new_keys:
+            causes.append(
+                "an effect that depends on the run (a value made in the handler, ctx.attempt,"
+                " the time) or a write outside ctx.db"
+            )
+    if _ids(published) - _ids(baseline.published):
+        causes.append(PUBLISH_KEY)
+    if outcome != baseline.outcome and not causes:
+        causes.append(RETRY_FAILED if len(runs) > 1 else "see the dead letter's detail")
+    return causes
+
+
+def _difference(rows: Sequence[Any], expected: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """(rows not in `expected`, rows of `expected` not in `rows`), as multisets: a row twice
+    where one was expected is one extra."""
+    left = list(expected)
+    extra = []
+    for row in rows:
+        for i, wanted in enumerate(left):
+            if _same(row, wanted):
+                del left[i]
+                break
+        else:
+            extra.append(row)
+    return extra, left
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values whose == refuses (arrays, say): compared as they print
+        return repr(a) == repr(b)
+
+
+def _ids(published: list[tuple[str, str, bytes]]) -> set[tuple[str, str]]:
+    return {(channel, message_id) for channel, message_id, _ in published}
+
+
+def _messages(sent: Iterable[tuple[str, str, bytes]]) -> str:
+    shown: dict[tuple[str, str], str] = {}
+    for channel, message_id, body in sent:
+        shown.setdefault((channel, message_id), body[:80].decode(errors="replace"))
+    return ", ".join(f"{c} {i!r} {text!r}" for (c, i), text in shown.items())
 
 
 def _runs(runs: list[Run]) -> str:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dedupe.errors import BrokerUnavailable
 from dedupe.message import Message
 from dedupe.testing.deliveries import (
     Fate,
@@ -58,6 +60,10 @@ class MemoryBroker:
         self._turn = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
+        # Every channel a consumer ever subscribed to: a relayed publish to one of them is
+        # delivered (and awaited by idle()); to any other, only kept in `published`.
+        self.consumed: set[str] = set()
+        self.published: list[Message] = []
 
     @property
     def acked(self) -> list[Settled]:
@@ -101,6 +107,9 @@ class MemoryBroker:
             encode_body(body),
             message_id=message_id or f"m-{next(self._ids)}",
             headers=headers,
+            # As RabbitMQ marks it: a copy's first delivery is not a redelivery (the
+            # one-transaction path takes first deliveries only: dedupe.pipeline.one_transaction).
+            meta={"redelivered": False},
         )
         sent = Sent(message)
         for number in range(copies):
@@ -119,6 +128,15 @@ class MemoryBroker:
         """A new consumer of this broker's channels, to serve a worker."""
         return MemoryTransport(self, name=name)
 
+    def publisher(self) -> MemoryPublisher:
+        """A publisher on this broker, for the outbox relay (ctx.publish)."""
+        return MemoryPublisher(self)
+
+    def published_to(self, channel: str) -> list[Message]:
+        """The messages relayed to `channel` from the outbox (ctx.publish), in order; a row the
+        relay sent twice (it died before marking it sent) is there twice, with the same id."""
+        return [message for message in self.published if message.channel == channel]
+
     def close(self) -> None:
         """Cancel the redeliveries still waiting for their time."""
         for timer in self._timers:
@@ -130,6 +148,7 @@ class MemoryBroker:
     def _subscribe(self, consumer: MemoryTransport) -> None:
         if consumer not in self._consumers:
             self._consumers.append(consumer)
+        self.consumed.update(consumer.channels)
         for channel in consumer.channels:
             self._dispatch(channel)
 
@@ -213,7 +232,7 @@ class MemoryBroker:
             message_id=message.message_id,
             attempt=message.attempt + 1,
             content_type=message.content_type,
-            meta=message.meta,
+            meta={**message.meta, "redelivered": True},
         )
         self._outstanding[copy] = again
         limit = self.max_delay_s
@@ -230,6 +249,36 @@ class MemoryBroker:
         settled = Settled(message, settlement, consumer.name, fate)
         self.log.append(settled)
         copy.sent.log.append(settled)
+
+
+class MemoryPublisher:
+    """The outbox relay's publisher on a MemoryBroker (what a worker's ctx.publish goes
+    through): every message is kept in `broker.published`; one to a channel a consumer of the
+    broker reads is delivered to it, as a real broker's queue would (a two-stage chain runs);
+    one to any other channel goes nowhere else (a service outside the test)."""
+
+    def __init__(self, broker: MemoryBroker) -> None:
+        self.broker = broker
+        self.connected = True  # False: its process died (dedupe.testing's workers)
+
+    async def publish(
+        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str]
+    ) -> None:
+        if not self.connected:
+            raise BrokerUnavailable("the memory publisher's worker is gone")
+        headers = dict(headers)
+        content_type = headers.pop("content-type", None)
+        message = make_message(
+            channel, body, message_id=message_id, headers=headers, meta={"redelivered": False}
+        )
+        if content_type is not None:
+            message = dataclasses.replace(message, content_type=content_type)
+        self.broker.published.append(message)
+        if channel in self.broker.consumed:
+            self.broker.publish(channel, body, message_id=message_id, headers=headers)
+
+    async def close(self) -> None:
+        """Nothing to release."""
 
 
 class MemoryTransport(Transport):
@@ -322,4 +371,4 @@ class MemoryTransport(Transport):
             logger.error("the pipeline returned without settling %s", delivery.message.message_id)
 
 
-__all__ = ["MemoryBroker", "MemoryTransport"]
+__all__ = ["MemoryBroker", "MemoryPublisher", "MemoryTransport"]

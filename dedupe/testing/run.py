@@ -7,18 +7,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import asyncpg
 
-from dedupe.app import STAGES, App, Hook
+from dedupe.app import STAGES as HOOK_STAGES
+from dedupe.app import App, Hook
+from dedupe.context import Context
 from dedupe.message import Message
 from dedupe.testing.databases import ClaimRow, Schema, create_database, drop_database, read_claims
 from dedupe.testing.deliveries import Sent, Settled
 from dedupe.testing.memory import MemoryBroker
-from dedupe.testing.stages import STAGE_WORDS, Point, Run, Stage, Stall
+from dedupe.testing.stages import STAGE_WORDS, STAGES, Point, Run, Stage, Stall
+from dedupe.testing.steps import unwatch_steps, watch_steps
 from dedupe.testing.workers import SimulatedWorker, WorkerDied, current_worker
 
 _current_run: contextvars.ContextVar[TestRun | None] = contextvars.ContextVar(
@@ -74,6 +78,7 @@ class TestRun:
         self._chores: set[asyncio.Task[None]] = set()
         self._failures: list[BaseException] = []
         self._hook: tuple[frozenset[str], Hook] | None = None
+        self._watching = False
         self._database_url: str | None = None
         self._pool: asyncpg.Pool | None = None
 
@@ -83,8 +88,10 @@ class TestRun:
         self._database_url = await create_database(self.server_url, self.schema)
         try:
             self._pool = await asyncpg.create_pool(self._database_url, min_size=1, max_size=2)
-            self.app.hook(*STAGES)(self._at_stage)
+            self.app.hook(*HOOK_STAGES)(self._at_stage)
             self._hook = self.app.hooks[-1]
+            watch_steps(self.app, current_run)
+            self._watching = True
             await self._start_worker()
         except BaseException:
             await self._close()
@@ -104,6 +111,9 @@ class TestRun:
         if self._hook is not None:
             with contextlib.suppress(ValueError):
                 self.app.hooks.remove(self._hook)
+        if self._watching:
+            unwatch_steps(self.app)
+            self._watching = False
         if self._pool is not None:
             await self._pool.close()
         if self._database_url is not None:
@@ -180,21 +190,32 @@ class TestRun:
         limit = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
+        unsent = 0
         for _ in range(math.ceil(limit / 0.01) + 1):
             self._raise_failures()
             if self.quiet:
-                return
+                # ctx.publish's rows are relayed after the commit: what they carry is still
+                # to happen (the next stage of a chain, say).
+                unsent = await self.unsent()
+                if not unsent and self.quiet:
+                    return
             if loop.time() >= deadline:
                 break
             await asyncio.sleep(0.01)
         self._raise_failures()
-        if not self.quiet:
-            raise AssertionError(self._not_idle(limit))
+        if not self.quiet or unsent:
+            raise AssertionError(self._not_idle(limit, unsent))
+
+    async def unsent(self) -> int:
+        """How many outbox rows (ctx.publish) the relay has not sent yet."""
+        query = "SELECT count(*) FROM dedupe_outbox WHERE sent_at IS NULL"
+        return int(await self._db.fetchval(query))
 
     @property
     def quiet(self) -> bool:
-        """Whether nothing is left to happen: every message acked or dead-lettered, no run
-        under way (a stalled run excepted), no worker being replaced."""
+        """Whether nothing is left to happen on the broker: every message acked or
+        dead-lettered, no run under way (a stalled run excepted), no worker being replaced.
+        idle() waits for the outbox's unsent rows too."""
         return (
             not self.broker.outstanding
             and not self._chores
@@ -216,8 +237,10 @@ class TestRun:
     def crash_at(self, stage: Stage, *, key: str | None = None, expire_lease: bool = True) -> None:
         """The next run to reach `stage` (of `key`, or any) kills its worker there.
 
-        Stages: "claimed" (the key is ours, the handler has not run), "handled" (it returned,
-        its ctx.db writes are not committed) and "completed" (committed, not acked). Another
+        Stages: "claimed" (the key is ours, the handler has not run), "stepped" (a ctx.step's
+        function returned, its result is not recorded: the retry calls it again), "handled"
+        (the handler returned, its ctx.db writes are not committed) and "completed"
+        (committed, not acked). Another
         worker starts; the broker delivers the dead worker's messages to it and, with
         `expire_lease`, finds its leases lapsed (simulated: nothing waits for lease_s).
         """
@@ -248,6 +271,11 @@ class TestRun:
         """Let every lease in progress lapse now, as if lease_s had passed; how many did."""
         return await self._expire(None)
 
+    @property
+    def armed(self) -> list[tuple[Stage, str | None]]:
+        """The crash points and stalls no run has reached yet: (stage, key or None)."""
+        return [(point.stage, point.key) for point in self._points]
+
     def _arm(self, point: Point) -> None:
         if point.stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, not {point.stage!r}")
@@ -255,6 +283,13 @@ class TestRun:
 
     async def _at_stage(self, stage: str, message: Message, scope: str, key: str) -> None:
         """The hook the run adds to the app: counts runs, fires the crash points and stalls."""
+        await self._reached(stage, scope, key)
+
+    async def stepped(self, ctx: Context, name: str) -> None:
+        """A ctx.step's function returned (dedupe.testing.steps): the "stepped" stage."""
+        await self._reached("stepped", ctx.scope, ctx.key, f" (step {name!r})")
+
+    async def _reached(self, stage: str, scope: str, key: str, what: str = "") -> None:
         worker = current_worker()
         if worker is None or worker not in self.workers:
             return  # another run's worker, or a real one: not ours to touch
@@ -265,9 +300,13 @@ class TestRun:
             return
         self._points.remove(point)
         if point.stall is None:
+            if stage == "claimed":  # it dies before its handler is called
+                self.runs[-1] = dataclasses.replace(self.runs[-1], ran=False)
             worker.die()
             self._chore(self._replace(worker, expire=point.expire_lease))
-            raise WorkerDied(f"worker {worker.name} died {STAGE_WORDS[stage]} of {scope}/{key}")
+            raise WorkerDied(
+                f"worker {worker.name} died {STAGE_WORDS[stage]}{what} of {scope}/{key}"
+            )
         await point.stall.hold(worker)
 
     async def _replace(self, dead: SimulatedWorker, *, expire: bool) -> None:
@@ -317,8 +356,10 @@ class TestRun:
         if self._failures:
             raise RuntimeError("the test run failed to replace a worker") from self._failures[0]
 
-    def _not_idle(self, limit: float) -> str:
+    def _not_idle(self, limit: float, unsent: int = 0) -> str:
         lines = [f"the test run is not idle after {limit:g}s:"]
+        if unsent:
+            lines.append(f"  {unsent} outbox rows (ctx.publish) not relayed yet")
         for message in self.broker.outstanding:
             last = [s for s in self.broker.log if s.message.message_id == message.message_id]
             told = f", last told: {last[-1].settlement.detail or last[-1].fate}" if last else ""
@@ -349,6 +390,18 @@ class TestRun:
     def dead_letters(self) -> list[Settled]:
         """The dead letters (`.reason`, `.detail`, `.headers` as the real brokers carry)."""
         return self.broker.dead_letters
+
+    @property
+    def published(self) -> list[Message]:
+        """What the app published with ctx.publish, as the outbox relay sent it, in order. A
+        message to a channel the app consumes is delivered to its handler too (a chain's next
+        stage runs); one to any other channel is only kept here."""
+        return list(self.broker.published)
+
+    def published_to(self, channel: str) -> list[Message]:
+        """The messages relayed to `channel` (a relay that died before marking a row sent
+        sends it again: the same message id twice, which the next stage takes as a duplicate)."""
+        return self.broker.published_to(channel)
 
     @property
     def _db(self) -> asyncpg.Pool:

@@ -9,9 +9,13 @@ from typing import Literal
 
 from dedupe.testing.workers import SimulatedWorker
 
-Stage = Literal["claimed", "handled", "completed"]
+Stage = Literal["claimed", "stepped", "handled", "completed"]
+# The app hooks' stages, and "stepped": a ctx.step's function returned, its result is not
+# recorded yet (dedupe.testing.steps).
+STAGES: tuple[Stage, ...] = ("claimed", "stepped", "handled", "completed")
 STAGE_WORDS: dict[str, str] = {
     "claimed": "after the claim",
+    "stepped": "after a ctx.step's function returned, before its result was recorded",
     "handled": "after the handler returned",
     "completed": "after the completion committed, before the ack",
 }
@@ -19,11 +23,13 @@ STAGE_WORDS: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """One start of a handler on a key (its `claimed` stage), and the worker that ran it."""
+    """One start of a handler on a key (its `claimed` stage), and the worker that ran it;
+    `ran`: False when its worker died at the claim, before the handler was called."""
 
     scope: str
     key: str
     worker: str
+    ran: bool = True
 
 
 class Stall:
@@ -76,4 +82,4 @@ class Point:
     expire_lease: bool = True
 
 
-__all__ = ["STAGE_WORDS", "Point", "Run", "Stage", "Stall"]
+__all__ = ["STAGES", "STAGE_WORDS", "Point", "Run", "Stage", "Stall"]

@@ -26,7 +26,7 @@ from dedupe.claims.records import Fence, KeyId
 from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
 from dedupe.pipeline.stats import Stats
-from dedupe.testing.memory import MemoryBroker, MemoryTransport
+from dedupe.testing.memory import MemoryBroker, MemoryPublisher, MemoryTransport
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class SimulatedWorker:
         self.state: State = "running"
         self.frozen = False
         self.transport: MemoryTransport = broker.transport(name)
+        # Its outbox relay's connection to the broker (ctx.publish): gone when it dies.
+        self.publisher: MemoryPublisher = broker.publisher()
         self._database_url = database_url
         self._concurrency = concurrency
         self._context = context
@@ -117,7 +119,11 @@ class SimulatedWorker:
             self._resources.push_async_callback(pool.close)
             self._store = _Store(pool, owner=self.owner)
             processor = Processor(
-                self.app, self._store, concurrency=self._concurrency, gc_interval_s=None
+                self.app,
+                self._store,
+                concurrency=self._concurrency,
+                gc_interval_s=None,
+                publisher=self.publisher,
             )
             # Entered in the worker's context, so that its heartbeat is recognisably its own.
             await asyncio.create_task(processor.__aenter__(), context=self._context)
@@ -140,6 +146,7 @@ class SimulatedWorker:
         self.state = "dead"
         self.frozen = False
         self.transport.disconnect(cancel=True)
+        self.publisher.connected = False
         if self._store is not None:
             self._store.pool.terminate()
         self._stop.set()

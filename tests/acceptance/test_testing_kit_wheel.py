@@ -67,7 +67,7 @@ def test_the_docs_example_fails_there_when_the_handler_is_made_non_idempotent(
     )
     result = pytest_in_project(testing_venv, tmp_path, broken)
     assert result.returncode == 1, result.stdout[-4000:]
-    assert "2 of 8 cases FAILED" in result.stdout
+    assert "2 of 9 cases FAILED" in result.stdout
     assert "crash after handler  2 (a, b)  1            2 with 2 keys   acked    FAIL" in (
         result.stdout
     )

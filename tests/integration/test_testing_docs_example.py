@@ -60,7 +60,7 @@ def test_the_docs_example_fails_when_the_provider_gets_a_random_key(tmp_path: Pa
     result = run_example(tmp_path, broken, "-q", "-k", "exactly_once")
     print(result.stdout)
     assert result.returncode == 1
-    assert "2 of 8 cases FAILED" in result.stdout
+    assert "2 of 9 cases FAILED" in result.stdout
     assert re.search(
         r"crash after handler +2 \(a, b\) +1 +2 with 2 keys +acked +FAIL", result.stdout
     )
@@ -86,7 +86,7 @@ def test_the_docs_example_fails_when_the_insert_is_not_through_ctx_db(tmp_path: 
     result = run_example(tmp_path, broken, "-q", "-k", "exactly_once")
     print(result.stdout)
     assert result.returncode == 1
-    assert "2 of 8 cases FAILED" in result.stdout
+    assert "2 of 9 cases FAILED" in result.stdout
     assert "ended dead-lettered (max_attempts_exceeded) where a single delivery was acked" in (
         result.stdout
     )

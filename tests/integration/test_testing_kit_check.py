@@ -110,9 +110,12 @@ async def test_an_external_call_keyed_by_a_random_uuid_fails_with_the_table() ->
     print(text)  # the table, for whoever reads the test's output
     failed = {r.case.name for r in raised.value.report.failed}
     assert failed == {"crash after handler", "zombie"}
-    assert "2 of 8 cases FAILED" in text
+    assert "2 of 9 cases FAILED" in text
     assert "external calls with 2 different keys where a single delivery used 1" in text
+    assert "likely cause: an external call keyed by something not derived from ctx.key" in text
     assert isinstance(raised.value, AssertionError)
+    # No ctx.step: the crash after a step is never reached, and the table says so.
+    assert " n/a" in text and "n/a: crash after step: never reached" in text
 
 
 async def test_an_insert_outside_ctx_db_fails_with_the_table() -> None:
@@ -125,7 +128,59 @@ async def test_an_insert_outside_ctx_db_fails_with_the_table() -> None:
     failed = {r.case.name for r in raised.value.report.failed}
     assert failed == {"crash after handler", "zombie"}
     assert "2 effect rows where a single delivery left 1" in text
+    assert "(not left by a single delivery: ('pay-1', 1250))" in text
     assert "rows: ('pay-1', 1250), ('pay-1', 1250)" in text
+    assert "likely cause: a write outside ctx.db" in text
+
+
+def adding_app(recorder: Recorder) -> App:
+    """Adds the amount to a balance on its own connection (an upsert): one row either way, but
+    a run that died has added it already when its retry adds it again."""
+    app = App("shop")
+
+    @app.handler("payments", key="header:Idempotency-Key")
+    async def charge(event: Charge, ctx: Context) -> str:
+        recorder.record(ctx.key, amount_cents=event.amount_cents)
+        run = current_run()
+        assert run is not None
+        conn = await asyncpg.connect(run.database_url)
+        try:
+            await conn.execute(
+                "INSERT INTO balances VALUES ($1, $2) ON CONFLICT (payment_id)"
+                " DO UPDATE SET amount_cents = balances.amount_cents + excluded.amount_cents",
+                event.payment_id,
+                event.amount_cents,
+            )
+        finally:
+            await conn.close()
+        return "charged"
+
+    return app
+
+
+async def test_effects_are_compared_by_content_not_by_their_number() -> None:
+    """As many rows as a single delivery left, but other values: the case fails and shows the
+    rows that differ (row counts alone passed this handler)."""
+    recorder = Recorder()
+    with pytest.raises(NotExactlyOnce) as raised:
+        await check_exactly_once(
+            adding_app(recorder),
+            "payments",
+            BODY,
+            headers=HEADERS,
+            database_url=ADMIN_URL,
+            schema="CREATE TABLE balances (payment_id text PRIMARY KEY, amount_cents int)",
+            effects="SELECT payment_id, amount_cents FROM balances",
+            external=recorder,
+        )
+    text = str(raised.value)
+    print(text)
+    assert {r.case.name for r in raised.value.report.failed} == {"crash after handler", "zombie"}
+    assert (
+        "1 effect rows as a single delivery left, but not the same (not left by a single"
+        " delivery: ('pay-1', 2500); missing: ('pay-1', 1250))"
+    ) in text
+    assert "likely cause: a write outside ctx.db" in text
 
 
 async def test_a_message_the_handler_does_not_complete_is_refused_by_the_check() -> None:

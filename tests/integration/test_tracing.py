@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Sequence
 
+import aio_pika
 import asyncpg
-from opentelemetry.sdk.trace import TracerProvider
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from dedupe import App
+import dedupe_rabbitmq as rabbitmq
+from dedupe import App, Context, Worker
+from dedupe.asgi import IdempotencyMiddleware
 from dedupe.claims.store import ClaimStore
 from dedupe.observability.tracing import Tracing
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
+from dedupe.webhooks import api_key
+from dedupe_rabbitmq.publisher import RabbitMQPublisher
+from tests.conftest import delete_channel_everywhere, eventually
+from tests.integration.http_server import serving
 
 PRODUCER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -76,3 +89,170 @@ async def test_without_a_configured_sdk_nothing_is_recorded_or_written(
         await processor.process("orders", [delivery("q-1")])
     assert await db.fetchval("SELECT trace_id FROM dedupe_claims") is None
     assert json.loads(await db.fetchval("SELECT count(*)::text FROM dedupe_claims")) == 1
+
+
+# -- traces across the chain: the run's span current in its handler, through the outbox, and
+# the receiver's and the middleware's spans ---------------------------------------------------
+
+
+def sdk() -> tuple[TracerProvider, InMemorySpanExporter]:
+    """The SDK with an in-memory exporter, as the process's global provider (which the receiver
+    and the middleware use); set once per process, so a second test adds its own exporter."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def parent_of(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+def ancestors(span: ReadableSpan, spans: Sequence[ReadableSpan]) -> list[int]:
+    """The span ids above `span` (its parent, the parent's, ...), among `spans` and one more."""
+    by_id = {s.context.span_id: s for s in spans}
+    found: list[int] = []
+    parent = parent_of(span)
+    while parent is not None and len(found) < 50:
+        found.append(parent)
+        above = by_id.get(parent)
+        parent = parent_of(above) if above is not None else None
+    return found
+
+
+async def test_a_chain_is_one_trace_through_the_outbox_with_the_handlers_spans_inside(
+    request: pytest.FixtureRequest, db_url: str, amqp_url: str, channel: str
+) -> None:
+    """A Worker on RabbitMQ: stage 1's span continues the producer's trace and is current in its
+    handler (its own span is a child); the message it publishes carries stage 1's
+    traceparent through the outbox, so stage 2's span is stage 1's child, in the same trace."""
+    provider, exporter = sdk()
+    second = f"{channel}-b"
+    app = App("chained")
+    user_tracer = provider.get_tracer("the-users-code")
+    reached: asyncio.Event = asyncio.Event()
+
+    @app.handler(channel)
+    async def accept(order: dict[str, int], ctx: Context) -> None:
+        with user_tracer.start_as_current_span("user.check_stock"):
+            pass
+        await ctx.publish(second, {"n": order["n"]})
+
+    @app.handler(second)
+    async def ship(order: dict[str, int], ctx: Context) -> None:
+        with user_tracer.start_as_current_span("user.ship"):
+            reached.set()
+
+    traceparent = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
+    try:
+        # The worker as `dedupe-worker run` makes it: its tracing uses the global provider.
+        async with Worker(app, database_url=db_url, broker_url=amqp_url, concurrency=4):
+            await rabbitmq.publish(
+                amqp_url, channel, [(b'{"n": 1}', {"traceparent": traceparent}, "m-1")]
+            )
+            await asyncio.wait_for(reached.wait(), 30)
+
+            async def both_concluded() -> bool:
+                names = {s.name for s in exporter.get_finished_spans()}
+                return {"dedupe.process accept", "dedupe.process ship"} <= names
+
+            await eventually(both_concluded, timeout_s=20)
+    finally:
+        await delete_channel_everywhere(request, second)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    first, stage_two = spans["dedupe.process accept"], spans["dedupe.process ship"]
+    assert format(first.context.trace_id, "032x") == PRODUCER_TRACE
+    assert parent_of(first) == 0x00F067AA0BA902B7
+    assert first.attributes["dedupe.outcome"] == "completed"
+    assert parent_of(spans["user.check_stock"]) == first.context.span_id
+    assert stage_two.context.trace_id == first.context.trace_id
+    assert parent_of(stage_two) == first.context.span_id
+    assert parent_of(spans["user.ship"]) == stage_two.context.span_id
+    assert stage_two.attributes["dedupe.outcome"] == "completed"
+    assert app.hooks == []  # the worker took its tracing hook off again
+
+
+async def test_the_receivers_span_continues_the_callers_and_is_the_parent_of_the_workers(
+    db_url: str, amqp_url: str, channel: str
+) -> None:
+    """A webhook request gets a SERVER span, a child of the caller's traceparent; the message
+    it forwards carries the receiver span's traceparent, not the caller's."""
+    from dedupe_receiver import create_receiver
+
+    _, exporter = sdk()
+    app = App("hooks")
+    app.webhook("shop", verify=api_key({"api-key-1": "tenant-a"}), channel=channel)
+    publisher = RabbitMQPublisher(amqp_url)
+    receiver = create_receiver(app, database_url=db_url, publisher=publisher)
+    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
+    async with serving(receiver) as base, httpx.AsyncClient(base_url=base) as client:
+        response = await client.post(
+            "/webhooks/shop",
+            content=b'{"n": 1}',
+            headers={
+                "content-type": "application/json",
+                "idempotency-key": "w-1",
+                "authorization": "Bearer api-key-1",
+                "traceparent": caller,
+            },
+        )
+    await publisher.close()
+    assert response.status_code == 202, response.text
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "dedupe.receive shop"]
+    assert span.kind is trace.SpanKind.SERVER
+    assert format(span.context.trace_id, "032x") == PRODUCER_TRACE
+    assert parent_of(span) == 0x00F067AA0BA902B7
+    assert span.attributes["dedupe.key"] == "w-1"
+    assert span.attributes["http.response.status_code"] == 202
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        amqp = await connection.channel()
+        queue = await amqp.declare_queue(channel, passive=True)
+        forwarded = await queue.get(timeout=5)
+        await forwarded.ack()
+    assert forwarded.headers["traceparent"] == (
+        f"00-{PRODUCER_TRACE}-{span.context.span_id:016x}-01"
+    )
+
+
+async def test_the_middlewares_span_is_the_parent_of_the_endpoints_and_of_its_publishes(
+    db_url: str,
+) -> None:
+    """A keyed request gets a SERVER span continuing the client's trace; the endpoint's own
+    span is its child, and what the endpoint publishes carries it on through the outbox."""
+    provider, exporter = sdk()
+    user_tracer = provider.get_tracer("the-users-code")
+    api = FastAPI()
+
+    @api.post("/orders")
+    async def create(request: Request) -> dict[str, str]:
+        with user_tracer.start_as_current_span("user.create_order"):
+            await request.state.idempotency.publish("orders.created", {"id": "o-1"})
+        return {"id": "o-1"}
+
+    wrapped = IdempotencyMiddleware(api, dedupe_app=App("shop"), database_url=db_url)
+    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
+    async with serving(wrapped) as base, httpx.AsyncClient(base_url=base) as client:
+        response = await client.post(
+            "/orders",
+            json={"n": 1},
+            headers={"idempotency-key": "h-1", "authorization": "u", "traceparent": caller},
+        )
+    assert response.status_code == 200, response.text
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    span = spans["dedupe.http POST"]
+    assert span.kind is trace.SpanKind.SERVER
+    assert format(span.context.trace_id, "032x") == PRODUCER_TRACE
+    assert parent_of(span) == 0x00F067AA0BA902B7
+    assert span.attributes["dedupe.outcome"] == "new"
+    endpoint = spans["user.create_order"]
+    assert span.context.span_id in ancestors(endpoint, exporter.get_finished_spans())
+    conn = await asyncpg.connect(db_url)
+    try:
+        headers = json.loads(await conn.fetchval("SELECT headers FROM dedupe_outbox"))
+    finally:
+        await conn.close()
+    assert headers["traceparent"] == f"00-{PRODUCER_TRACE}-{endpoint.context.span_id:016x}-01"

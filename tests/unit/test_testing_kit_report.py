@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from dedupe.testing import CASES, Case, CaseResult, Recorder, Report, Run
-from dedupe.testing.check import _compare
+from dedupe.testing.check import (
+    NOT_FROM_KEY,
+    OUTSIDE_CTX_DB,
+    STEP_NOT_IDEMPOTENT,
+    _causes,
+    _compare,
+)
 from dedupe.testing.recorder import Call, distinct_keys
 
 
@@ -65,3 +71,39 @@ def test_the_table_has_a_row_per_case_and_the_failures_below_it() -> None:
     assert "2 (a, b)" in lines[4] and not any(line != line.rstrip() for line in lines)
     assert "    rows: ('p', 5), ('p', 5)" in lines
     assert "      'k' by worker a: amount_cents=5" in lines
+
+
+def test_rows_are_compared_by_content_and_the_differing_rows_shown() -> None:
+    """As many rows as a single delivery left, with other values, fail; the same rows in
+    another order do not (rows are a multiset)."""
+    once = CaseResult(CASES[0], [Run("s", "k", "a")], [("p", 5), ("q", 1)], [], "acked", [], 0.1)
+    assert _compare([("q", 1), ("p", 5)], [], "acked", once) == []
+    [other] = _compare([("p", 6), ("q", 1)], [], "acked", once)
+    assert other == (
+        "2 effect rows as a single delivery left, but not the same"
+        " (not left by a single delivery: ('p', 6); missing: ('p', 5))"
+    )
+    # A case whose handler was called once: other values are what two separate runs make
+    # up differently (a uuid), not a repeat; another number of rows still fails.
+    assert _compare([("p", 6), ("q", 1)], [], "acked", once, repeated=False) == []
+    assert len(_compare([("p", 6)], [], "acked", once, repeated=False)) == 1
+
+
+def test_each_failure_names_its_likely_cause() -> None:
+    """Extra rows after a repeated run: a write outside ctx.db; new keys: a key not derived
+    from ctx.key, or, at the crash after a step, a step that is not idempotent on retry."""
+    once = result("once", rows=1, keys=["k"])
+    [crash] = [c for c in CASES if c.name == "crash after handler"]
+    [step] = [c for c in CASES if c.name == "crash after step"]
+    runs = [Run("s", "k", "a"), Run("s", "k", "b")]
+    calls = [Call("x", {}, "a"), Call("y", {}, "b")]
+    assert _causes(crash, [("p", 5)] * 2, [], "acked", once, published=[], runs=runs) == [
+        OUTSIDE_CTX_DB
+    ]
+    assert _causes(crash, [("p", 5)], calls, "acked", once, published=[], runs=runs) == [
+        NOT_FROM_KEY
+    ]
+    assert _causes(step, [("p", 5)], calls, "acked", once, published=[], runs=runs) == [
+        STEP_NOT_IDEMPOTENT
+    ]
+    assert "ctx.db" in OUTSIDE_CTX_DB and "ctx.key" in NOT_FROM_KEY
