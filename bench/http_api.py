@@ -47,7 +47,10 @@ def with_middleware() -> Any:
     """The orders API as handlers/orders_api.py builds it."""
     from handlers.orders_api import create_api
 
-    return create_api(os.environ["DEDUPE_DATABASE_URL"])
+    return create_api(
+        os.environ["DEDUPE_DATABASE_URL"],
+        principal_secret=os.environ.get("DEDUPE_HTTP_SECRET") or "bench-only-principal-secret",
+    )
 
 
 def without() -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -78,6 +79,8 @@ class ApiProcess:
             self.port = int(sock.getsockname()[1])
         self.base = f"http://127.0.0.1:{self.port}"
         self.db_url, self.logs = db_url, logs
+        # The callers' HMAC key: one for every process of the API, restarts included.
+        self.secret = os.environ.get("DEDUPE_HTTP_SECRET") or secrets.token_urlsafe(32)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def spawn(self) -> None:
@@ -86,6 +89,7 @@ class ApiProcess:
             **os.environ,
             "DEDUPE_DATABASE_URL": self.db_url,
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "consumers")]),
+            "DEDUPE_HTTP_SECRET": self.secret,
         }
         log = open(self.logs / "api.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(

@@ -7,12 +7,20 @@ import contextlib
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from dedupe.asgi.keys import RequestLine, fingerprint, principal_of, request_message, scope_for
+from dedupe.asgi.keys import (
+    RequestLine,
+    principal_of,
+    request_hashes,
+    request_message,
+    scope_for,
+)
 from dedupe.asgi.problems import Problem
-from dedupe.asgi.replies import no_principal, too_large
+from dedupe.asgi.replies import invalid_request, no_principal, too_large
 from dedupe.asgi.run import Receive, Scope
+from dedupe.claims.fingerprints import Fingerprint
 from dedupe.claims.keys import KeyFunc
 from dedupe.claims.records import ClaimRequest
+from dedupe.errors import InvalidPayload
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,37 +35,60 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def request_line(scope: Scope) -> RequestLine:
+    """Method, raw path and query of the request."""
+    return RequestLine(
+        scope["method"],
+        scope.get("raw_path") or str(scope.get("path", "")).encode("utf-8", "surrogatepass"),
+        scope.get("query_string", b""),
+    )
+
+
+async def read_body(scope: Scope, receive: Receive, max_body_bytes: int) -> bytes | Problem | None:
+    """The whole body (bounded: a 413 past it), or None: the client left before it arrived."""
+    declared = _content_length(scope.get("headers", []))
+    if declared is not None and declared > max_body_bytes:
+        return too_large(max_body_bytes)
+    try:
+        return await _read_body(receive, max_body_bytes)
+    except _BodyTooLarge:
+        return too_large(max_body_bytes)
+
+
 async def read_keyed(
     scope: Scope,
     receive: Receive,
     *,
     key: str,
+    body: bytes | None,
     app_name: str,
     scope_func: KeyFunc | None,
+    secret: bytes | None,
+    scheme: Fingerprint,
     max_body_bytes: int,
 ) -> Keyed | Problem | None:
-    """The claim a keyed request asks for, a Problem to answer, or None: the client left."""
+    """The claim a keyed request asks for, a Problem to answer, or None: the client left.
+    `body`: the body when it was read already (to find the key in it)."""
     headers = scope.get("headers", [])
-    declared = _content_length(headers)
-    if declared is not None and declared > max_body_bytes:
-        return too_large(max_body_bytes)
-    try:
-        body = await _read_body(receive, max_body_bytes)
-    except _BodyTooLarge:
-        return too_large(max_body_bytes)
     if body is None:
-        return None
-    line = RequestLine(
-        scope["method"],
-        scope.get("raw_path") or str(scope.get("path", "")).encode("utf-8", "surrogatepass"),
-        scope.get("query_string", b""),
-    )
+        read = await read_body(scope, receive, max_body_bytes)
+        if read is None or isinstance(read, Problem):
+            return read
+        body = read
+    line = request_line(scope)
     principal = None
     if scope_func is not None:
         principal = principal_of(scope_func, request_message(line, headers, body))
         if principal is None:
             return no_principal()
-    return Keyed(ClaimRequest(scope_for(app_name, principal), key, fingerprint(line, body)), body)
+    try:
+        payload_hash, raw_hash = request_hashes(scheme, line, headers, body)
+    except InvalidPayload as exc:
+        return invalid_request(str(exc))
+    request = ClaimRequest(
+        scope_for(app_name, principal, secret), key, payload_hash, scheme.stored, raw_hash
+    )
+    return Keyed(request, body)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -85,4 +116,4 @@ def _content_length(headers: Collection[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-__all__ = ["Keyed", "read_keyed"]
+__all__ = ["Keyed", "read_body", "read_keyed", "request_line"]

@@ -1,26 +1,38 @@
-"""What an HTTP request's claim is made of, with no I/O: its Idempotency-Key, its principal
-(hashed), its fingerprint and the scope its key lives in."""
+"""What an HTTP request's claim is made of, with no I/O: its idempotency key (from a header, a
+form field or the JSON body, by the workers' key specs), its principal (keyed-hashed), its
+fingerprint and the scope its key lives in."""
 
 from __future__ import annotations
 
+import email.parser
+import email.policy
 import hashlib
-from collections.abc import Iterable
+import hmac
+import urllib.parse
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from dedupe.claims.keys import KeyFunc
-from dedupe.errors import InvalidPayload, KeyMissing
+from dedupe.claims.fingerprints import Fingerprint
+from dedupe.claims.keys import KeyFunc, KeySpec, compile_key
+from dedupe.errors import ConfigurationError, InvalidPayload, KeyMissing
 from dedupe.message import Headers, Message
 
 KEY_HEADER = b"idempotency-key"
+DEFAULT_KEY_SPEC = "header:Idempotency-Key"
 MAX_KEY_CHARS = 255
 # The part of a scope after the app's name: `shop.http`, then `/<principal hash>`.
 SCOPE_SUFFIX = ".http"
+# A principal's hash is keyed by a secret this long at least (an HMAC key a guess cannot find).
+MIN_SECRET_BYTES = 16
+
+FORM_URLENCODED = b"application/x-www-form-urlencoded"
+FORM_MULTIPART = b"multipart/form-data"
 
 RawHeaders = Iterable[tuple[bytes, bytes]]
 
 
 class KeyRefused(ValueError):
-    """The request's Idempotency-Key header cannot be a key (the message says why): a 400."""
+    """The request's idempotency key cannot be a key (the message says why): a 400."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,53 +44,256 @@ class RequestLine:
     query: bytes
 
 
-def _unquote(raw: bytes) -> bytes:
+def _unquote(raw: bytes, where: str) -> bytes:
     """An RFC 8941 sf-string's content: `"..."` with `\\"` and `\\\\` escapes."""
     if len(raw) < 2 or not raw.endswith(b'"'):
-        raise KeyRefused('a quoted Idempotency-Key must end with its closing quote (")')
+        raise KeyRefused(f'a quoted {where} must end with its closing quote (")')
     out = bytearray()
     escaped = False
     for byte in raw[1:-1]:
         if escaped:
             if byte not in b'"\\':
-                raise KeyRefused('in a quoted Idempotency-Key only \\" and \\\\ are escapes')
+                raise KeyRefused(f'in a quoted {where} only \\" and \\\\ are escapes')
             out.append(byte)
             escaped = False
         elif byte == 0x5C:  # backslash
             escaped = True
         elif byte == 0x22:  # a bare quote inside the string
-            raise KeyRefused('a quoted Idempotency-Key has an unescaped quote (")')
+            raise KeyRefused(f'a quoted {where} has an unescaped quote (")')
         else:
             out.append(byte)
     if escaped:
-        raise KeyRefused("a quoted Idempotency-Key ends in a lone backslash")
+        raise KeyRefused(f"a quoted {where} ends in a lone backslash")
     return bytes(out)
 
 
-def key_of(headers: RawHeaders) -> str | None:
-    """The request's idempotency key; None without the header; KeyRefused when it is not one.
+def checked_key(raw: bytes, where: str = "Idempotency-Key") -> str:
+    """The key a source yielded, or KeyRefused: 1-255 visible ASCII characters (%x21-7E).
 
-    One header of 1-255 visible ASCII characters (%x21-7E). A value that starts with a quote is
-    read as a structured-field string, as the IETF draft writes the key, and its content must be
-    visible ASCII too (so `"abc"` and `abc` are the same key).
+    A value that starts with a quote is read as a structured-field string, as the IETF draft
+    writes the key, and its content must be visible ASCII too (so `"abc"` and `abc` are the
+    same key). `where` names the source in the refusal ("the Idempotency-Key", "form field k").
     """
-    values = [value for name, value in headers if name.lower() == KEY_HEADER]
+    raw = raw.strip(b" \t")
+    if raw.startswith(b'"'):
+        raw = _unquote(raw, where)
+    if not raw:
+        raise KeyRefused(f"the {where} is empty")
+    if len(raw) > MAX_KEY_CHARS:
+        raise KeyRefused(f"the {where} is {len(raw)} characters long; at most {MAX_KEY_CHARS}")
+    if any(byte < 0x21 or byte > 0x7E for byte in raw):
+        raise KeyRefused(f"the {where} is visible ASCII only (no spaces, no controls)")
+    return raw.decode("ascii")
+
+
+def key_of(headers: RawHeaders, name: bytes = KEY_HEADER) -> str | None:
+    """The key in header `name`; None without the header; KeyRefused when it is not one (or
+    the header comes twice)."""
+    values = [value for header, value in headers if header.lower() == name]
     if not values:
         return None
+    label = name.decode("latin-1")
+    if name == KEY_HEADER:
+        label = "Idempotency-Key"
     if len(values) > 1:
-        raise KeyRefused(f"send one Idempotency-Key header, not {len(values)}")
-    raw = values[0].strip(b" \t")
-    if raw.startswith(b'"'):
-        raw = _unquote(raw)
-    if not raw:
-        raise KeyRefused("the Idempotency-Key header is empty")
-    if len(raw) > MAX_KEY_CHARS:
-        raise KeyRefused(
-            f"the Idempotency-Key is {len(raw)} characters long; at most {MAX_KEY_CHARS}"
+        raise KeyRefused(f"send one {label} header, not {len(values)}")
+    return checked_key(values[0], label)
+
+
+# -- forms -----------------------------------------------------------------------------------
+
+
+def content_type(headers: RawHeaders) -> bytes:
+    """The media type of the body, lower case, without parameters (b"" when none is sent)."""
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value.split(b";", 1)[0].strip().lower()
+    return b""
+
+
+def _raw_content_type(headers: RawHeaders) -> bytes:
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value
+    return b""
+
+
+@dataclass(frozen=True, slots=True)
+class FormPart:
+    """One field of a form body: its name, its value's bytes, and for a file its filename."""
+
+    name: str
+    value: bytes
+    filename: str | None = None
+    media_type: str | None = None
+
+
+def form_parts(headers: Sequence[tuple[bytes, bytes]], body: bytes) -> list[FormPart] | None:
+    """The fields of an urlencoded or multipart/form-data body; None for another body (or a
+    multipart one that does not parse)."""
+    kind = content_type(headers)
+    if kind == FORM_URLENCODED:
+        try:
+            text = body.decode("ascii")
+            pairs = urllib.parse.parse_qsl(
+                text, keep_blank_values=True, encoding="utf-8", errors="strict"
+            )
+        except (UnicodeDecodeError, ValueError):
+            return None
+        return [FormPart(name, value.encode("utf-8")) for name, value in pairs]
+    if kind != FORM_MULTIPART:
+        return None
+    head = b"Content-Type: " + _raw_content_type(headers) + b"\r\nMIME-Version: 1.0\r\n\r\n"
+    try:
+        document = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
+    except Exception:  # the email parser raises several kinds on a malformed document
+        return None
+    if not document.is_multipart():
+        return None
+    parts = []
+    for part in document.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not isinstance(name, str):
+            continue
+        payload = part.get_payload(decode=True)
+        filename = part.get_filename()
+        parts.append(
+            FormPart(
+                name,
+                payload if isinstance(payload, bytes) else b"",
+                filename,
+                part.get_content_type() if filename is not None else None,
+            )
         )
-    if any(byte < 0x21 or byte > 0x7E for byte in raw):
-        raise KeyRefused("an Idempotency-Key is visible ASCII only (no spaces, no controls)")
-    return raw.decode("ascii")
+    return parts
+
+
+def form_canonical(parts: Sequence[FormPart]) -> bytes:
+    """A multipart form's fields in one encoding without its boundary (a browser draws a new
+    boundary for every submit of the same form)."""
+    out = bytearray()
+    for part in parts:
+        for piece in (
+            part.name.encode("utf-8", "surrogatepass"),
+            (part.filename or "").encode("utf-8", "surrogatepass"),
+            (part.media_type or "").encode("utf-8", "surrogatepass"),
+            part.value,
+        ):
+            out += len(piece).to_bytes(8, "big") + piece
+        out += b"\x00" if part.filename is None else b"\x01"
+    return bytes(out)
+
+
+# -- where the key comes from ----------------------------------------------------------------
+
+
+SourceFunc = Callable[[Sequence[tuple[bytes, bytes]], "bytes | None"], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class KeySource:
+    """A compiled key= of the middleware: header terms read before the body, the others (form
+    fields, body paths, a callable) from the body when its type can carry them."""
+
+    spec: str
+    terms: tuple[tuple[str, object], ...]
+
+    @property
+    def reads_body(self) -> bool:
+        return any(kind != "header" for kind, _ in self.terms)
+
+    def wants_body(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        """Whether the body is to be read to look for the key (its type can carry one)."""
+        kind = content_type(headers)
+        for term, _ in self.terms:
+            if term == "callable":
+                return True
+            if term == "form" and kind in (FORM_URLENCODED, FORM_MULTIPART):
+                return True
+            if term == "body" and (kind in (b"", b"application/json") or kind.endswith(b"+json")):
+                return True
+        return False
+
+    def find(
+        self,
+        line: RequestLine,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None,
+    ) -> str | None:
+        """The key, trying the terms in order (those needing the body only when it is given);
+        None when no term yields one; KeyRefused when the one found is no key."""
+        parts: list[FormPart] | None = None
+        message: Message | None = None
+        for kind, term in self.terms:
+            if kind == "header":
+                assert isinstance(term, bytes)
+                value = key_of(headers, term)
+                if value is not None:
+                    return value
+                continue
+            if body is None:
+                continue
+            if kind == "form":
+                assert isinstance(term, str)
+                if parts is None:
+                    parts = form_parts(headers, body) or []
+                values = [p.value for p in parts if p.name == term and p.filename is None]
+                if len(values) > 1:
+                    raise KeyRefused(f"send one form field {term}, not {len(values)}")
+                if values:
+                    return checked_key(values[0], f"form field {term}")
+                continue
+            if message is None:
+                message = request_message(line, headers, body)
+            func: KeyFunc = term  # type: ignore[assignment]
+            if kind == "body" and not self._json_body(headers):
+                continue
+            try:
+                found = func(message)
+            except (InvalidPayload, KeyMissing):
+                continue  # a body path on a body that is not JSON: not here
+            if found is not None and found != "":
+                text = found if isinstance(found, str) else str(found)
+                return checked_key(text.encode("utf-8", "surrogatepass"), "idempotency key")
+        return None
+
+    @staticmethod
+    def _json_body(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        kind = content_type(headers)
+        return kind in (b"", b"application/json") or kind.endswith(b"+json")
+
+
+def compile_key_source(spec: KeySpec, where: str = "IdempotencyMiddleware") -> KeySource:
+    """The middleware's key=: `header:NAME`, `form:NAME`, `body:dotted.path`, several joined
+    by `|` (the first that yields), or a callable (dedupe.Message) -> str | None."""
+    if callable(spec):
+        return KeySource(getattr(spec, "__qualname__", "callable"), (("callable", spec),))
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigurationError(f"{where}: key= is a key spec such as {DEFAULT_KEY_SPEC!r}")
+    terms: list[tuple[str, object]] = []
+    for raw_term in spec.split("|"):
+        term = raw_term.strip()
+        kind, sep, rest = term.partition(":")
+        if sep and rest and kind == "header":
+            terms.append(("header", rest.strip().lower().encode("latin-1")))
+        elif sep and rest and kind == "form":
+            terms.append(("form", rest.strip()))
+        elif sep and rest and kind == "body":
+            try:
+                terms.append(("body", compile_key(term)))
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"{where}: key={spec!r}: {exc}") from exc
+        else:
+            raise ConfigurationError(
+                f"{where}: key={spec!r}: {term!r} is no key source of an HTTP request; use "
+                "'header:NAME', 'form:NAME' (a field of an urlencoded or multipart body), "
+                "'body:dotted.path' (a JSON body), several joined by '|', or a callable "
+                "(dedupe.Message) -> str | None"
+            )
+    return KeySource(spec, tuple(terms))
+
+
+# -- fingerprint, principal, scope -----------------------------------------------------------
 
 
 def fingerprint(line: RequestLine, body: bytes) -> bytes:
@@ -91,18 +306,40 @@ def fingerprint(line: RequestLine, body: bytes) -> bytes:
     return digest.digest()
 
 
-def principal_hash(principal: str) -> str:
-    """The principal as stored: the hex SHA-256 of its UTF-8 text, never the text itself."""
-    return hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
+def request_hashes(
+    scheme: Fingerprint, line: RequestLine, headers: Sequence[tuple[bytes, bytes]], body: bytes
+) -> tuple[bytes, bytes | None]:
+    """(payload hash, raw hash) of a request under the middleware's fingerprint=: the method,
+    path and query always count; the body by its bytes (a multipart form by its fields, not its
+    boundary), or under "json" / a callable as on handlers. The raw hash (None under raw) is
+    what a claim stored before the scheme changed is compared with. InvalidPayload when a
+    fingerprint function fails."""
+    parts = form_parts(headers, body) if content_type(headers) == FORM_MULTIPART else None
+    raw = fingerprint(line, body if parts is None else form_canonical(parts))
+    if scheme.stored is None:
+        return raw, None
+    digest = scheme.digest(request_message(line, headers, body))
+    return fingerprint(line, digest), raw
 
 
-def scope_for(app_name: str, principal: str | None) -> str:
+def principal_hash(principal: str, secret: bytes) -> str:
+    """The principal as stored: the hex HMAC-SHA256 of its UTF-8 text under the middleware's
+    secret, never the text nor a plain digest a dictionary reverses."""
+    return hmac.new(secret, principal.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+
+
+def scope_for(app_name: str, principal: str | None, secret: bytes | None) -> str:
     """The claims' scope of a request: `<app>.http`, plus `/<principal hash>` when scoped."""
     base = app_name + SCOPE_SUFFIX
-    return base if principal is None else f"{base}/{principal_hash(principal)}"
+    if principal is None:
+        return base
+    assert secret is not None  # the middleware refuses a scope= without a secret
+    return f"{base}/{principal_hash(principal, secret)}"
 
 
-def request_message(line: RequestLine, headers: RawHeaders, body: bytes) -> Message:
+def request_message(
+    line: RequestLine, headers: Iterable[tuple[bytes, bytes]], body: bytes
+) -> Message:
     """The request as a dedupe.Message, for a scope= key spec or callable to read."""
     return Message(
         channel=line.path.decode("latin-1"),
@@ -128,15 +365,25 @@ def principal_of(scope_func: KeyFunc, message: Message) -> str | None:
 
 
 __all__ = [
+    "DEFAULT_KEY_SPEC",
     "KEY_HEADER",
     "MAX_KEY_CHARS",
+    "MIN_SECRET_BYTES",
     "SCOPE_SUFFIX",
+    "FormPart",
     "KeyRefused",
+    "KeySource",
     "RequestLine",
+    "checked_key",
+    "compile_key_source",
+    "content_type",
     "fingerprint",
+    "form_canonical",
+    "form_parts",
     "key_of",
     "principal_hash",
     "principal_of",
+    "request_hashes",
     "request_message",
     "scope_for",
 ]

@@ -1,11 +1,14 @@
 """`IdempotencyMiddleware`: a user's own HTTP endpoints made idempotent on the claims table
 (plain ASGI, no web framework: FastAPI, Starlette, Litestar or any ASGI app).
 
-A covered request (POST, PATCH) with an `Idempotency-Key` claims `(<app>.http/<principal
-hash>, key)` with the fingerprint of its method, path, query and body. Ours: the endpoint
-runs, and its `request.state.idempotency.db` writes commit with its stored response before the
-first byte goes out (dedupe.asgi.run). A finished key replays; another request under the key is
-a 422; one still running a 409 (or a wait of up to `wait_s`). See docs/http-api.md.
+A covered request (POST, PATCH) with a key (the `Idempotency-Key` header, or where `key=` says:
+a form field, a JSON body path) claims `(<app>.http/<principal HMAC>, key)` with the
+fingerprint of its method, path, query and body. Ours: the endpoint runs, and its
+`request.state.idempotency.db` writes commit with its stored response before the first byte
+goes out (dedupe.asgi.run); answers that are not stored (401, 403, 408, 409, 425, 429, 5xx, or
+as `store_status=` says) roll back and give the key back. A finished key replays; another
+request under the key is a 422; one still running a 409 (or a wait of up to `wait_s`). See
+docs/http-api.md.
 """
 
 from __future__ import annotations
@@ -18,13 +21,20 @@ import socket
 from collections.abc import Collection
 
 from dedupe.app import App
-from dedupe.asgi.intake import read_keyed
-from dedupe.asgi.keys import KeyRefused, key_of
+from dedupe.asgi.intake import read_body, read_keyed, request_line
+from dedupe.asgi.keys import (
+    DEFAULT_KEY_SPEC,
+    MIN_SECRET_BYTES,
+    KeyRefused,
+    compile_key_source,
+)
 from dedupe.asgi.problems import ASGIMessage, Problem, Send, in_flight
 from dedupe.asgi.replies import (
+    StoreStatus,
     answer,
     answer_for,
     bad_key,
+    compile_store_status,
     db_down,
     key_required,
     schema_refused,
@@ -40,6 +50,7 @@ from dedupe.asgi.run import (
 )
 from dedupe.asgi.state import Idempotency
 from dedupe.claims.database import check_schema, connect_pool, redact
+from dedupe.claims.fingerprints import FingerprintSpec, compile_fingerprint
 from dedupe.claims.keys import KeySpec, compile_key
 from dedupe.claims.records import ClaimRequest
 from dedupe.claims.store import ClaimStore
@@ -65,6 +76,8 @@ MAX_ROUTE_LABELS = 200
 # cap: a finished first request is seen within ~50 ms, a long one costs a statement per 0.5 s.
 WAIT_FIRST_S = 0.05
 WAIT_MAX_S = 0.5
+# Where the secret of the principals' HMAC is read when principal_secret= is not given.
+SECRET_ENV = "DEDUPE_HTTP_SECRET"
 POOL_MAX_SIZE = 20  # the endpoints' transactions and the completions
 CLAIM_POOL_MAX_SIZE = 10  # claims, heartbeats, attempt counts
 
@@ -78,10 +91,23 @@ class IdempotencyMiddleware:
         database_url: PostgreSQL of the claims (migrated with `dedupe-worker migrate`).
         scope: Whose key it is: a key spec ("header:Authorization", the default) or a
             callable (dedupe.Message) -> str | None read from the request; stored only as
-            its SHA-256. None scopes the keys by the app alone.
+            its HMAC-SHA256 under `principal_secret`. None scopes the keys by the app alone.
+        principal_secret: The key of that HMAC (at least 16 bytes, the same in every
+            process of the API); default: the DEDUPE_HTTP_SECRET variable. Required with
+            `scope=`: without it the middleware refuses to start.
+        key: Where the idempotency key is: "header:Idempotency-Key" (the default),
+            "form:NAME" (a field of an urlencoded or multipart body), "body:dotted.path" (a
+            JSON body), several joined by "|", or a callable (dedupe.Message) -> str | None.
+        fingerprint: What "the same request" is: "raw" (the body bytes, the default), "json"
+            (the JSON value: key order and whitespace do not matter) or a callable
+            (dedupe.Message) -> bytes; the method, path and query always count.
+        fingerprint_exclude: With "json", dotted body paths left out ("sent_at", ...).
+        store_status: Which answers below 500 are stored: a set of the statuses never stored
+            (default NOT_STORED: 401, 403, 408, 409, 425, 429) or a callable (status) -> bool,
+            True to store. A 5xx is never stored.
         methods: The methods covered; others pass straight through.
-        required: A covered request without Idempotency-Key is a 400 (False: it runs
-            unprotected, in a transaction of its own).
+        required: A covered request without a key is a 400 (False: it runs unprotected, in
+            a transaction of its own).
         wait_s: How long a duplicate of a request still running waits for its answer
             before it gets a 409.
         lease_s: How long a claim holds its key without a heartbeat (a crashed process's
@@ -98,6 +124,11 @@ class IdempotencyMiddleware:
         dedupe_app: App,
         database_url: str,
         scope: KeySpec | None = "header:Authorization",
+        principal_secret: str | bytes | None = None,
+        key: KeySpec = DEFAULT_KEY_SPEC,
+        fingerprint: FingerprintSpec = "raw",
+        fingerprint_exclude: tuple[str, ...] = (),
+        store_status: StoreStatus | None = None,
         methods: Collection[str] = ("POST", "PATCH"),
         required: bool = False,
         wait_s: float = 0.0,
@@ -129,6 +160,12 @@ class IdempotencyMiddleware:
             )
         if not max_body_bytes > 0:
             raise ConfigurationError("IdempotencyMiddleware: max_body_bytes must be > 0")
+        self.secret = _principal_secret(principal_secret, scoped=scope is not None)
+        self.key_source = compile_key_source(key)
+        self.scheme = compile_fingerprint(
+            fingerprint, exclude=fingerprint_exclude, where="IdempotencyMiddleware"
+        )
+        self.stores = compile_store_status(store_status)
         self.app = app
         self.dedupe_app = dedupe_app
         self.database_url = database_url
@@ -256,8 +293,19 @@ class IdempotencyMiddleware:
     ) -> tuple[str, str | None]:
         """Answer a covered request; return its outcome and route (when known)."""
         headers = scope.get("headers", [])
+        line = request_line(scope)
+        body: bytes | None = None
         try:
-            key = key_of(headers)
+            key = self.key_source.find(line, headers, None)
+            if key is None and self.key_source.wants_body(headers):
+                # The key may be in the body (a form's hidden field): read it to look.
+                read = await read_body(scope, receive, self.max_body_bytes)
+                if read is None:
+                    return "refused", None  # the client went away before its body arrived
+                if isinstance(read, Problem):
+                    return await answer(send, read, "refused")
+                body = read
+                key = self.key_source.find(line, headers, body)
         except KeyRefused as exc:
             return await answer(send, bad_key(str(exc)), "refused")
         if key is None:
@@ -270,13 +318,18 @@ class IdempotencyMiddleware:
             db = Database(store.pool)
             state["idempotency"] = Idempotency(db=db, key=None, scope=None)
             tally.outcome = "unkeyed"  # also when the endpoint raises
+            if body is not None:
+                receive = _body_first(body, receive)
             return await run_unkeyed(self.app, scope, receive, send, db), None
         keyed = await read_keyed(
             scope,
             receive,
             key=key,
+            body=body,
             app_name=self.dedupe_app.name,
             scope_func=self.scope_func,
+            secret=self.secret,
+            scheme=self.scheme,
             max_body_bytes=self.max_body_bytes,
         )
         if keyed is None:
@@ -321,6 +374,7 @@ class IdempotencyMiddleware:
             max_response_bytes=MAX_RESPONSE_BYTES,
             db=db,
             send=send,
+            stores=self.stores,
         )
         run.effects = RunEffects(db, verdict.fence, cancel=run.lose)
         scope.setdefault("state", {})["idempotency"] = Idempotency(
@@ -335,6 +389,14 @@ class IdempotencyMiddleware:
                 logger.info(
                     "key %s: the endpoint failed; nothing kept, the key is released",
                     request.key,
+                    extra={"scope": request.scope, "key": request.key, "outcome": run.outcome},
+                )
+            elif run.outcome == "not_stored" and run.status:
+                logger.info(
+                    "key %s: a %d is not stored (store_status=); its writes rolled back, the "
+                    "key is released",
+                    request.key,
+                    run.status,
                     extra={"scope": request.scope, "key": request.key, "outcome": run.outcome},
                 )
         return run.outcome, run.route
@@ -401,6 +463,31 @@ class IdempotencyMiddleware:
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+def _principal_secret(given: str | bytes | None, *, scoped: bool) -> bytes | None:
+    """The HMAC key of the principals: principal_secret=, else DEDUPE_HTTP_SECRET; refused
+    when missing or short while keys are scoped by a principal."""
+    if given is None:
+        given = os.environ.get(SECRET_ENV) or None
+    if given is None:
+        if scoped:
+            raise ConfigurationError(
+                "IdempotencyMiddleware: scope= keys each caller's keys by its credential, "
+                "which is stored only as an HMAC: set principal_secret= (or the "
+                f"{SECRET_ENV} variable) to a random secret, the same in every process of "
+                "the API, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`; "
+                "or scope=None for one key space without callers"
+            )
+        return None
+    secret = given.encode("utf-8") if isinstance(given, str) else bytes(given)
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigurationError(
+            f"IdempotencyMiddleware: principal_secret is {len(secret)} bytes; use a random one "
+            f"of at least {MIN_SECRET_BYTES} (`python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'`)"
+        )
+    return secret
 
 
 class _Tally:

@@ -6,24 +6,64 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from dedupe.asgi.problems import Problem, Send, in_flight, send_response, unavailable
 from dedupe.claims.records import ClaimRequest
 from dedupe.claims.verdicts import Conflict, Duplicate, InFlight, Unavailable, Verdict
+from dedupe.errors import ConfigurationError
 from dedupe.observability.activity import Activity
 
 logger = logging.getLogger("dedupe.asgi")
 
 REPLAYED_HEADER = b"idempotent-replayed"
-# Headers kept with a stored response and replayed: what the body means and where the created
-# resource is. Never Set-Cookie or anything else a later caller must not get.
+# Headers kept with a stored response and replayed: what the body means, where the created
+# resource is and when to come back. Never Set-Cookie or anything else a later caller must not
+# get.
 KEPT_HEADERS = frozenset(
-    {b"content-type", b"content-encoding", b"content-language", b"content-location", b"location"}
+    {
+        b"content-type",
+        b"content-encoding",
+        b"content-language",
+        b"content-location",
+        b"location",
+        b"retry-after",
+    }
 )
+# Kept with a response whose body is not (too large, streamed): no body for the others to describe.
+KEPT_WITHOUT_BODY = frozenset({b"location", b"retry-after"})
 RECORD_VERSION = 1
+# Answers below 500 that are never stored (Stripe's rule: they say nothing the endpoint decided
+# about the request; a retry must run it again): unauthenticated, forbidden, a request timeout,
+# a conflict, too early, rate limited. Every 5xx is never stored either, whatever store_status=.
+NOT_STORED = frozenset({401, 403, 408, 409, 425, 429})
+
+StoreStatus = Callable[[int], bool] | Collection[int]
+
+
+def compile_store_status(spec: StoreStatus | None) -> Callable[[int], bool]:
+    """The middleware's store_status=: whether an answer below 500 is stored. None: all but
+    NOT_STORED; a collection: the statuses never stored (in place of NOT_STORED); a callable
+    (status) -> bool: True stores."""
+    if spec is None:
+        return lambda status: status not in NOT_STORED
+    if callable(spec):
+        return spec
+    if isinstance(spec, str | bytes) or not isinstance(spec, Collection):
+        raise ConfigurationError(
+            "IdempotencyMiddleware: store_status= is a set of statuses never stored, such as "
+            "{401, 403, 429}, or a callable (status: int) -> bool that is True to store"
+        )
+    statuses = frozenset(spec)
+    for status in statuses:
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise ConfigurationError(
+                f"IdempotencyMiddleware: store_status= holds {status!r}, not an HTTP status "
+                "(an int from 100 to 599)"
+            )
+    return lambda status: status not in statuses
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +95,7 @@ class StoredResponse:
         )
         if not body_kept:
             # No body to describe: what stays is where the created resource is.
-            kept = tuple((name, value) for name, value in kept if name == b"location")
+            kept = tuple((name, value) for name, value in kept if name in KEPT_WITHOUT_BODY)
         return cls(status, kept, body if body_kept else b"", route, body_kept)
 
     def to_result(self) -> str:
@@ -134,6 +174,10 @@ def no_principal() -> Problem:
         "a request with an Idempotency-Key must say who sends it (its credentials); keys are "
         "never shared between callers",
     )
+
+
+def invalid_request(detail: str) -> Problem:
+    return Problem(400, "invalid-request", "Request cannot be fingerprinted", detail)
 
 
 def key_conflict() -> Problem:
@@ -223,12 +267,16 @@ async def answer_for(
 
 __all__ = [
     "KEPT_HEADERS",
+    "NOT_STORED",
     "REPLAYED_HEADER",
+    "StoreStatus",
     "StoredResponse",
     "answer",
     "answer_for",
     "bad_key",
+    "compile_store_status",
     "db_down",
+    "invalid_request",
     "key_conflict",
     "key_failed",
     "key_required",

@@ -86,6 +86,8 @@ class KeyedRun:
     max_response_bytes: int
     db: Database
     send: Send
+    # Whether an answer below 500 is stored (dedupe.asgi.replies.compile_store_status).
+    stores: Callable[[int], bool] = lambda status: True
     effects: RunEffects | None = None  # request.state.idempotency's publishes and steps
     outcome: str = "released_on_error"
     route: str | None = None
@@ -142,6 +144,11 @@ class KeyedRun:
             self.leases.forget(held)
             await self.db.close()
 
+    @property
+    def status(self) -> int:
+        """The endpoint's status (0 before it answered)."""
+        return self._status
+
     def lose(self) -> None:
         """A step found the key taken over: cancel the endpoint as the heartbeat would."""
         if self._held is not None:
@@ -166,6 +173,13 @@ class KeyedRun:
                 await self._settle_error()
                 self._mode = "passthrough"
                 await self.send(message)
+            elif not self._stored(self._status):
+                # Not the endpoint's decision about the request (401, 429...): it is rolled
+                # back like a 5xx and the key given back, so the client's retry runs again.
+                await self._settle_error()
+                self.outcome = "not_stored"
+                self._mode = "passthrough"
+                await self.send(message)
             elif any(
                 name.lower() == b"content-type" and value.lower().startswith(STREAMED_TYPES)
                 for name, value in self._headers
@@ -188,6 +202,13 @@ class KeyedRun:
             await self._overflow(f"it is over {self.max_response_bytes} bytes", more_body=more_body)
         elif not more_body:
             await self._finish()
+
+    def _stored(self, status: int) -> bool:
+        try:
+            return bool(self.stores(status))
+        except Exception:
+            logger.exception("store_status=%r failed for %d: not stored", self.stores, status)
+            return False
 
     async def _finish(self) -> None:
         """The whole response is here: store it with the writes, then send it."""

@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
 
 from tests.conftest import CHECKOUT_PATH, ROOT
 
@@ -126,3 +130,32 @@ def final_stats(log: Path) -> dict[str, object]:
     assert lines, log.read_text()[-2000:]
     stats: dict[str, object] = json.loads(lines[-1][lines[-1].index("{") :])
     return stats
+
+
+@pytest.fixture
+def browser() -> Iterator[webdriver.Chrome]:
+    """Headless Chromium through chromedriver (Debian's packages: `make browser`)."""
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.fail("chromium and chromedriver are missing: run `make browser`")
+    profile = tempfile.mkdtemp(prefix="dedupe-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1280,900",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    chrome = webdriver.Chrome(options=options, service=Service(executable_path=driver))
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
+        shutil.rmtree(profile, ignore_errors=True)

@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 
 from dedupe.asgi.keys import principal_hash
 from tests.acceptance.conftest import run_cli
+from tests.apps.http_api import TEST_SECRET
 from tests.conftest import CHECKOUT_PATH, ROOT
 
 LEASE_S = 6.0  # longer than a restart of the API process on a busy machine
 TOKEN = "Bearer process-test-token"
 HEADERS = {"Authorization": TOKEN}
-SCOPE = f"shop.http/{principal_hash(TOKEN)}"
+SCOPE = f"shop.http/{principal_hash(TOKEN, TEST_SECRET.encode())}"
 UVICORN = [sys.executable, "-m", "uvicorn", "--factory", "tests.apps.http_api:from_environment"]
 # The killed request pauses 30 s (a header, not fingerprinted); its retry, the same request
 # without the header, answers at once.

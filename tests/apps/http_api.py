@@ -13,6 +13,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from handlers.orders_api import create_api
 
+# The principals' HMAC key of the test API (a subprocess takes DEDUPE_HTTP_SECRET first).
+TEST_SECRET = "test-only-principal-secret-6f1e"
+
 
 async def _order(request: Request, sku: str) -> int:
     idempotency = request.state.idempotency
@@ -26,7 +29,25 @@ async def _order(request: Request, sku: str) -> int:
 
 
 def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
+    options.setdefault("principal_secret", TEST_SECRET)
     api = create_api(database_url, **options)
+
+    @api.post("/answer/{status}")
+    async def answer(request: Request, status: int) -> Response:
+        """Writes an order, then answers `status` with Retry-After and Location headers."""
+        order_id = await _order(request, f"answer-{status}")
+        return JSONResponse(
+            {"order_id": order_id, "status": status},
+            status_code=status,
+            headers={"Retry-After": "7", "Location": f"/orders/{order_id}"},
+        )
+
+    @api.post("/echo", status_code=201)
+    async def echo(request: Request) -> dict[str, Any]:
+        """Writes an order named after the request's body length; answers with the key."""
+        body = await request.body()
+        order_id = await _order(request, f"echo-{len(body)}")
+        return {"order_id": order_id, "key": request.state.idempotency.key}
 
     @api.post("/slow", status_code=201)
     async def slow(request: Request, s: float = 1.0, sku: str = "slow") -> dict[str, Any]:
@@ -95,9 +116,11 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
 
 
 def from_environment() -> FastAPI:
-    """The test API for a subprocess: DEDUPE_DATABASE_URL, HTTP_API_LEASE_S, HTTP_API_SCOPE."""
+    """The test API for a subprocess: DEDUPE_DATABASE_URL, HTTP_API_LEASE_S, HTTP_API_SCOPE,
+    DEDUPE_HTTP_SECRET."""
     scope = os.environ.get("HTTP_API_SCOPE", "header:Authorization")
     return create_test_api(
         lease_s=float(os.environ.get("HTTP_API_LEASE_S", "30")),
         scope=None if scope == "none" else scope,
+        principal_secret=os.environ.get("DEDUPE_HTTP_SECRET") or TEST_SECRET,
     )
