@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import socket
 from collections.abc import Collection
+
+import asyncpg
 
 from dedupe.app import App
 from dedupe.asgi.intake import read_body, read_keyed, request_line
@@ -94,7 +97,8 @@ class IdempotencyMiddleware:
             its HMAC-SHA256 under `principal_secret`. None scopes the keys by the app alone.
         principal_secret: The key of that HMAC (at least 16 bytes, the same in every
             process of the API); default: the DEDUPE_HTTP_SECRET variable. Required with
-            `scope=`: without it the middleware refuses to start.
+            `scope=`; without one a key derived from the PostgreSQL cluster (logged as a
+            warning at start).
         key: Where the idempotency key is: "header:Idempotency-Key" (the default),
             "form:NAME" (a field of an urlencoded or multipart body), "body:dotted.path" (a
             JSON body), several joined by "|", or a callable (dedupe.Message) -> str | None.
@@ -208,6 +212,8 @@ class IdempotencyMiddleware:
                 claim_pool = await connect_pool(self.database_url, max_size=CLAIM_POOL_MAX_SIZE)
                 stack.push_async_callback(claim_pool.close)
                 await check_schema(pool, where=redact(self.database_url))
+                if self.secret is None and self.scope_func is not None:
+                    self.secret = await _database_secret(pool)
             except BaseException:
                 await stack.aclose()
                 raise
@@ -321,6 +327,11 @@ class IdempotencyMiddleware:
             if body is not None:
                 receive = _body_first(body, receive)
             return await run_unkeyed(self.app, scope, receive, send, db), None
+        if self.secret is None and self.scope_func is not None:
+            # No configured secret: the database's own is read when the pool opens.
+            opened = await self._store_or_problem()
+            if isinstance(opened, Problem):
+                return await answer(send, opened, "unavailable")
         keyed = await read_keyed(
             scope,
             receive,
@@ -467,17 +478,19 @@ class IdempotencyMiddleware:
 
 def _principal_secret(given: str | bytes | None, *, scoped: bool) -> bytes | None:
     """The HMAC key of the principals: principal_secret=, else DEDUPE_HTTP_SECRET; refused
-    when missing or short while keys are scoped by a principal."""
+    when short. None: no secret configured (with scope=, the database's own is used once the
+    pool opens, see _database_secret)."""
     if given is None:
         given = os.environ.get(SECRET_ENV) or None
     if given is None:
         if scoped:
-            raise ConfigurationError(
-                "IdempotencyMiddleware: scope= keys each caller's keys by its credential, "
-                "which is stored only as an HMAC: set principal_secret= (or the "
-                f"{SECRET_ENV} variable) to a random secret, the same in every process of "
-                "the API, e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`; "
-                "or scope=None for one key space without callers"
+            logger.warning(
+                "IdempotencyMiddleware: no principal_secret= or %s; the callers' credentials "
+                "are hashed under a key derived from the PostgreSQL cluster's system identifier "
+                "(a dump of the claims table alone cannot reverse them, a database user can). "
+                "Set a random secret, the same in every process of the API: "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`",
+                SECRET_ENV,
             )
         return None
     secret = given.encode("utf-8") if isinstance(given, str) else bytes(given)
@@ -522,3 +535,15 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
 
 
 __all__ = ["MAX_RESPONSE_BYTES", "IdempotencyMiddleware"]
+
+
+async def _database_secret(pool: asyncpg.Pool) -> bytes:
+    """The principals' HMAC key when none is configured: derived from the cluster's system
+    identifier, which every process of the API reads alike (a streaming standby shares it)
+    and which no dump of a table carries. A restore into another cluster is a new key space:
+    a retry sent across it runs again once."""
+    try:
+        identifier = await pool.fetchval("SELECT system_identifier FROM pg_control_system()")
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise StoreError(f"cannot read the cluster's system identifier: {exc}") from exc
+    return hashlib.sha256(b"dedupe-worker principal secret v1:" + str(identifier).encode()).digest()

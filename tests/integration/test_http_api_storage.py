@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import socket
 from typing import Any
 
@@ -213,20 +214,51 @@ async def test_a_basic_credential_is_stored_as_an_hmac_under_the_secret(
     assert not any(plain in s for s in scopes)
 
 
-def test_a_scoped_middleware_without_a_secret_refuses_to_start(
+def test_a_short_secret_is_refused_and_the_variable_is_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No principal_secret= and no DEDUPE_HTTP_SECRET: an error that says what to set; a
-    short secret is refused; scope=None needs none; the variable is read when given."""
+    """A short secret is refused with what to use; DEDUPE_HTTP_SECRET is read when
+    principal_secret= is not given; scope=None needs none."""
     monkeypatch.delenv("DEDUPE_HTTP_SECRET", raising=False)
     options: dict[str, Any] = {"dedupe_app": App("x"), "database_url": "postgresql://h/d"}
-    with pytest.raises(ConfigurationError, match=r"principal_secret=.*DEDUPE_HTTP_SECRET"):
-        IdempotencyMiddleware(_nothing, **options)
     with pytest.raises(ConfigurationError, match="at least 16"):
         IdempotencyMiddleware(_nothing, principal_secret="short", **options)
     assert IdempotencyMiddleware(_nothing, scope=None, **options).secret is None
     monkeypatch.setenv("DEDUPE_HTTP_SECRET", "from-the-environment-0123")
     assert IdempotencyMiddleware(_nothing, **options).secret == b"from-the-environment-0123"
+
+
+async def test_without_a_secret_the_credential_is_keyed_by_the_clusters_own_and_a_warning_says_so(
+    orders_db: str,
+    db: asyncpg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The middleware as the contract writes it (no secret) starts and serves; the credential
+    is stored as an HMAC under a key derived from the cluster's system identifier, never as
+    its plain SHA-256; the log says to configure a secret."""
+    monkeypatch.delenv("DEDUPE_HTTP_SECRET", raising=False)
+    basic = {"Authorization": "Basic YWxpY2U6aHVudGVyMg=="}  # alice:hunter2
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = said.append  # type: ignore[method-assign]
+    logging.getLogger("dedupe.asgi").addHandler(handler)
+    try:
+        # Starlette builds its middleware at the first request.
+        api = create_test_api(orders_db, principal_secret=None)
+        async with serving(api) as base, client_of(base) as client:
+            first = await post(client, "n-1", {"sku": "a"}, headers=basic)
+            again = await post(client, "n-1", {"sku": "a"}, headers=basic)
+    finally:
+        logging.getLogger("dedupe.asgi").removeHandler(handler)
+    assert any("DEDUPE_HTTP_SECRET" in r.getMessage() for r in said)
+    assert first.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+    identifier = await db.fetchval("SELECT system_identifier FROM pg_control_system()")
+    derived = hashlib.sha256(b"dedupe-worker principal secret v1:" + str(identifier).encode())
+    credential = basic["Authorization"].encode()
+    keyed = hmac.new(derived.digest(), credential, hashlib.sha256).hexdigest()
+    scopes = [r["scope"] for r in await db.fetch("SELECT scope FROM dedupe_claims")]
+    assert scopes == [f"shop.http/{keyed}"]
+    assert hashlib.sha256(credential).hexdigest() not in scopes[0]
 
 
 # -- the store failing -----------------------------------------------------------------------
@@ -276,7 +308,8 @@ async def test_a_store_that_fails_at_the_commit_answers_503_and_keeps_nothing(
     orders_db: str, db: asyncpg.Connection
 ) -> None:
     """The endpoint's transaction is cut (pg_terminate_backend on this test's own database)
-    while it runs: 503 with Retry-After, no order and no stored answer; the retry runs."""
+    after its insert, while it pauses: 503 with Retry-After, no order and no stored answer;
+    the retry runs."""
     async with serving(create_test_api(orders_db)) as base, client_of(base) as client:
         first = asyncio.ensure_future(
             post(client, "t-1", {}, "/slow", params={"s": 0}, headers={"X-Pause-S": "1.5"})
@@ -287,7 +320,7 @@ async def test_a_store_that_fails_at_the_commit_answers_503_and_keeps_nothing(
                 await db.fetchval(
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
                     " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                    " AND state = 'idle in transaction'"
+                    " AND state = 'idle in transaction' AND query LIKE 'INSERT INTO orders%'"
                 )
             )
 

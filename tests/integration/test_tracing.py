@@ -233,7 +233,12 @@ async def test_the_middlewares_span_is_the_parent_of_the_endpoints_and_of_its_pu
             await request.state.idempotency.publish("orders.created", {"id": "o-1"})
         return {"id": "o-1"}
 
-    wrapped = IdempotencyMiddleware(api, dedupe_app=App("shop"), database_url=db_url)
+    wrapped = IdempotencyMiddleware(
+        api,
+        dedupe_app=App("shop"),
+        database_url=db_url,
+        principal_secret="tracing-test-secret-0123456789",
+    )
     caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
     async with serving(wrapped) as base, httpx.AsyncClient(base_url=base) as client:
         response = await client.post(
