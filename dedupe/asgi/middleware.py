@@ -18,6 +18,7 @@ import socket
 from collections.abc import Collection
 
 from dedupe.app import App
+from dedupe.asgi.conflicts import recorded
 from dedupe.asgi.intake import read_keyed
 from dedupe.asgi.keys import KeyRefused, key_of
 from dedupe.asgi.problems import ASGIMessage, Problem, Send, in_flight
@@ -260,6 +261,7 @@ class IdempotencyMiddleware:
             return await answer(send, db_down(), "unavailable")
         verdict = await self._claim_or_wait(request)
         if not isinstance(verdict, Ours):
+            verdict = await recorded(store, scope, request, verdict)  # a 422 is recorded first
             return await answer_for(send, request, verdict, self._activity)
         attempt = verdict.attempts
         if verdict.taken_over or verdict.handed_back:
