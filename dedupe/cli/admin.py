@@ -29,11 +29,14 @@ async def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 async def cmd_gc(args: argparse.Namespace, settings: Settings) -> int:
     async with ClaimStore.open(settings.database_url, owner="gc") as store:
-        deleted = await store.gc(batch_size=args.batch_size, max_batches=args.max_batches)
-    if deleted is None:
+        cleaned = await store.gc(batch_size=args.batch_size, max_batches=args.max_batches)
+    if cleaned is None:
         print("another clean-up is running; nothing done")
     else:
-        print(f"deleted {deleted} expired claim(s)")
+        print(
+            f"deleted {cleaned.claims} expired claim(s) and {cleaned.outbox} sent outbox row(s) "
+            "past their retention"
+        )
     return 0
 
 
