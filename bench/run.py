@@ -172,9 +172,10 @@ async def gc_while_running(n: int, expired: int, report: dict[str, Any], uvloop:
             nonlocal deleted
             while deleted < expired:
                 began = time.monotonic()
-                got = await store.gc()
+                cleaned = await store.gc()
                 spans.append(time.monotonic() - began)
-                deleted += got or 0
+                got = cleaned.claims if cleaned is not None else 0
+                deleted += got
                 if not got:
                     await asyncio.sleep(0.05)
 

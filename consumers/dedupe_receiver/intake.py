@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from starlette.responses import Response
 
 from dedupe.asgi.problems import in_flight, unavailable
-from dedupe.claims import conflicts
+from dedupe.claims import conflict_records, conflicts
 from dedupe.claims.fingerprints import claim_request
 from dedupe.claims.records import ClaimRequest, Fence
 from dedupe.claims.store import ClaimStore
@@ -110,10 +110,10 @@ class Intake:
         if isinstance(verdict, Ours):
             return await self._publish(source, identity, verdict, forward, body)
         if isinstance(verdict, Conflict):
-            return self._conflict(source, identity, verdict, request, message)
+            return await self._conflict(source, identity, verdict, request, message)
         return self._answer_for(source, identity, verdict)
 
-    def _conflict(
+    async def _conflict(
         self,
         source: WebhookSource,
         identity: Identity,
@@ -121,20 +121,35 @@ class Intake:
         request: ClaimRequest,
         message: Message,
     ) -> Response:
-        """Another body under a used key: 422, recorded with both fingerprints and the diff."""
+        """Another body under a used key: 422, once its record (both fingerprints, the diff,
+        the second body when kept) has committed; 503 when it could not be, so the sender's
+        retry records it. Nothing but the record holds that body: nothing was published."""
+        report = conflicts.report(
+            request,
+            message,
+            source.fingerprint,
+            claimed_fingerprint=verdict.fingerprint,
+            claimed_hash=verdict.payload_hash,
+            claimed_payload=verdict.payload,
+            keep_payload=source.keep_payload,
+            source=source.name,
+        )
+        try:
+            async with asyncio.timeout(self.store_timeout_s):
+                await conflict_records.record(self.store.pool, [report])
+        except Exception as exc:  # StoreError, or our timeout
+            self.stats["store_unavailable"] += 1
+            logger.warning(
+                "webhook %s: recording the conflict of key %s failed (%s)",
+                source.name,
+                identity.key,
+                exc,
+                extra=log_fields(source, identity, "store_unavailable"),
+            )
+            return respond(unavailable("the claim store is unavailable"))
         self.stats["conflicts"] += 1
         if self.activity is not None:
-            report = conflicts.report(
-                request,
-                message,
-                source.fingerprint,
-                claimed_fingerprint=verdict.fingerprint,
-                claimed_hash=verdict.payload_hash,
-                claimed_payload=verdict.payload,
-                keep_payload=source.keep_payload,
-                source=source.name,
-            )
-            self.activity.conflict(identity.scope, identity.key, "", report=report)
+            self.activity.conflict(identity.scope)
         logger.info(
             "webhook %s: key %s reused with another body: 422",
             source.name,

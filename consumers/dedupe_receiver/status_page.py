@@ -214,10 +214,18 @@ class StatusPage:
         return head + body + empty + "</table>"
 
     def _outbox(self, backlog: dict[str, Any]) -> str:
+        lag = backlog.get("cleanup_lag_s") or 0
+        cleanup = (
+            f"<p id='outbox-cleanup'>sent rows past their retention have waited {lag:,.0f} s "
+            "for clean-up (workers clean up every --gc-interval-s; with 0, schedule "
+            "<code>dedupe-worker gc</code>)</p>"
+            if lag
+            else ""
+        )
         if not backlog["unsent"]:
             return (
                 "<h2>Outbox</h2><p class='muted' id='outbox-totals'>nothing waiting to be "
-                "relayed</p>"
+                f"relayed</p>{cleanup}"
             )
         totals = (
             f"<p id='outbox-totals'>{backlog['unsent']} unsent, the oldest "
@@ -234,7 +242,7 @@ class StatusPage:
             f"<td>{_e(r['last_error'])}</td></tr>"
             for r in backlog["channels"]
         )
-        return "<h2>Outbox</h2>" + totals + head + body + "</table>"
+        return "<h2>Outbox</h2>" + totals + cleanup + head + body + "</table>"
 
     def _stuck(
         self, rows: list[dict[str, Any]], after_s: float, can_release: bool, token: str | None

@@ -24,6 +24,7 @@ from collections.abc import Collection
 import asyncpg
 
 from dedupe.app import App
+from dedupe.asgi.conflicts import recorded
 from dedupe.asgi.intake import read_body, read_keyed, request_line
 from dedupe.asgi.keys import (
     DEFAULT_KEY_SPEC,
@@ -367,6 +368,7 @@ class IdempotencyMiddleware:
             return await answer(send, db_down(), "unavailable")
         verdict = await self._claim_or_wait(request)
         if not isinstance(verdict, Ours):
+            verdict = await recorded(store, scope, request, verdict)  # a 422 is recorded first
             return await answer_for(send, request, verdict, self._activity)
         attempt = verdict.attempts
         if verdict.taken_over or verdict.handed_back:

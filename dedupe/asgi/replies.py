@@ -244,7 +244,7 @@ async def answer_for(
             return "replayed", stored.route
     if isinstance(verdict, Conflict):
         if activity is not None:
-            activity.conflict(request.scope, request.key, "another request: 422")
+            activity.conflict(request.scope)
         logger.info(
             "key %s: reused for another request: 422",
             request.key,

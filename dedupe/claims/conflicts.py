@@ -3,8 +3,9 @@ paths that differ, with their values redacted as the logs redact payloads (never
 path and the JSON types on each side are all a diff says). No I/O.
 
 The report travels on the conflict's Settlement: its headers go on the dead letter
-(dedupe.transport.dead_letter_headers), its event and its record (the second payload kept for
-`dedupe-worker conflicts settle`) are written by dedupe.observability.activity.
+(dedupe.transport.dead_letter_headers); its record (the second payload kept for
+`dedupe-worker conflicts settle`) and its event are written before the message is settled, by
+dedupe.claims.conflict_records.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class ConflictReport:
     content_type: str | None = None
     payload: bytes | None = field(default=None, repr=False)  # the second payload, when kept
     source: str | None = None  # the webhook source that refused it (None: a handler)
+    http_request: str | None = None  # the HTTP middleware's 422: 'POST /orders' (no query)
 
     def diff_text(self) -> str:
         """The changes on one line, or the note when there are none."""
@@ -139,6 +141,34 @@ def report(
         content_type=message.content_type,
         payload=request.payload if keep_payload else None,
         source=source,
+    )
+
+
+HTTP_NOTE = (
+    "another request under this key (method, path, query or body differ); the middleware "
+    "keeps no body: no diff"
+)
+
+
+def http_report(
+    request: ClaimRequest,
+    *,
+    method: str,
+    path: str,
+    claimed_fingerprint: str | None,
+    claimed_hash: bytes | None,
+) -> ConflictReport:
+    """The report of an HTTP request refused with a 422 by the idempotency middleware: both
+    fingerprints and the request's method and path (never its query, headers or body)."""
+    return ConflictReport(
+        scope=request.scope,
+        key=request.key,
+        fingerprint=fingerprint_text(request.fingerprint, request.payload_hash),
+        claimed=fingerprint_text(claimed_fingerprint, claimed_hash),
+        payload_hash=request.payload_hash,
+        changes=None,
+        note=HTTP_NOTE,
+        http_request=storable_text(f"{method} {path}", 1000),
     )
 
 
@@ -240,6 +270,7 @@ __all__ = [
     "RUN_AS_SCOPE_HEADER",
     "ConflictReport",
     "fingerprint_text",
+    "http_report",
     "json_diff",
     "kind",
     "render",

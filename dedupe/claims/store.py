@@ -8,6 +8,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
@@ -356,25 +357,22 @@ class ClaimStore:
         """Make a failed key claimable again (never one in progress); whether it was failed."""
         return bool(await self._fetch("release_failed", scope, key))
 
-    async def gc(self, *, batch_size: int = 1000, max_batches: int = 100) -> int | None:
-        """Delete expired rows in batches under an advisory lock; None if another holds it."""
-        deleted = 0
+    async def gc(self, *, batch_size: int = 1000, max_batches: int = 100) -> Cleaned | None:
+        """Delete expired claims, then sent outbox rows past their retention, in batches (at
+        most `max_batches` of each) under the one clean-up lock; None if another holds it."""
+        outbox_gc = queries("outbox.sql")["gc"]
         try:
             async with self.pool.acquire() as conn:
                 if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", GC_LOCK_ID):
                     return None
                 try:
-                    for _ in range(max_batches):
-                        status = await conn.execute(self._q["gc_batch"], batch_size)
-                        count = int(status.split()[-1])
-                        deleted += count
-                        if count < batch_size:
-                            break
+                    claims = await _in_batches(conn, self._q["gc_batch"], batch_size, max_batches)
+                    outbox = await _in_batches(conn, outbox_gc, batch_size, max_batches)
                 finally:
                     await conn.execute("SELECT pg_advisory_unlock($1)", GC_LOCK_ID)
-        except TRANSIENT_ERRORS as exc:
+        except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
             raise StoreError(f"clean-up failed: {exc}") from exc
-        return deleted
+        return Cleaned(claims=claims, outbox=outbox)
 
     async def list_claims(
         self,
@@ -390,6 +388,26 @@ class ClaimStore:
     async def show_claim(self, scope: str, key: str) -> dict[str, Any] | None:
         rows = await self._fetch("show_claim", scope, key)
         return dict(rows[0]) if rows else None
+
+
+@dataclass(frozen=True, slots=True)
+class Cleaned:
+    """What one clean-up deleted: expired claims (their events, steps and conflicts go with
+    them) and sent outbox rows past their retention."""
+
+    claims: int
+    outbox: int
+
+
+async def _in_batches(conn: asyncpg.Connection, statement: str, size: int, most: int) -> int:
+    """Run a DELETE of at most `size` rows until it deletes fewer, `most` times at most."""
+    deleted = 0
+    for _ in range(most):
+        count = int((await conn.execute(statement, size)).split()[-1])
+        deleted += count
+        if count < size:
+            break
+    return deleted
 
 
 def _column(values: Iterable[T | None]) -> list[T | None] | None:
@@ -425,4 +443,4 @@ def _claim_of(row: asyncpg.Record) -> Claim:
     )
 
 
-__all__ = ["ClaimStore", "ValueRefused"]
+__all__ = ["ClaimStore", "Cleaned", "ValueRefused"]

@@ -62,11 +62,14 @@ async def _store(settings: Settings, owner: str) -> AsyncIterator[ClaimStore]:
 
 async def cmd_gc(args: argparse.Namespace, settings: Settings) -> int:
     async with _store(settings, "gc") as store:
-        deleted = await store.gc(batch_size=args.batch_size, max_batches=args.max_batches)
-    if deleted is None:
+        cleaned = await store.gc(batch_size=args.batch_size, max_batches=args.max_batches)
+    if cleaned is None:
         print("another clean-up is running; nothing done")
     else:
-        print(f"deleted {deleted} expired claim(s)")
+        print(
+            f"deleted {cleaned.claims} expired claim(s) and {cleaned.outbox} sent outbox row(s) "
+            "past their retention"
+        )
     return 0
 
 
@@ -154,6 +157,8 @@ def _print_conflict(conflict: dict[str, Any], claim: str) -> None:
         f"conflict #{conflict['id']} at {cell(conflict['at'])}, {conflict['deliveries']} "
         f"deliver{'y' if conflict['deliveries'] == 1 else 'ies'}, {state}:"
     )
+    if conflict.get("http_request"):
+        print(f"  request        {conflict['http_request']} (answered 422)")
     print(f"  this payload   {conflict['fingerprint']}")
     print(f"  the claim's    {conflict['claimed_fingerprint']}")
     diff = conflict["diff"]
@@ -183,6 +188,8 @@ async def cmd_conflicts(args: argparse.Namespace, settings: Settings) -> int:
             elif rows:
                 for row in rows:
                     row["diff"] = "; ".join(row["diff"] or []) or row["note"]
+                    if row["http_request"]:
+                        row["diff"] = f"{row['http_request']}: {row['diff']}"
                 print_rows(rows, ["id", "at", "scope", "key", "deliveries", "settled", "diff"])
             else:
                 print("no conflicts" if args.all else "no unsettled conflicts")
@@ -203,7 +210,19 @@ async def cmd_conflicts(args: argparse.Namespace, settings: Settings) -> int:
         except NotSettled as exc:
             print(str(exc), file=sys.stderr)
             return 1
-    if settled.message_id is None:
+    if settled.http_request is not None:
+        print(
+            f"settled the conflict of {args.scope}/{args.key} (conflict #{settled.conflict_id}, "
+            f"{settled.http_request}): its client was answered 422 and sends the request again "
+            "under a new Idempotency-Key"
+        )
+    elif settled.message_id is None and settled.source is not None:
+        print(
+            f"discarded the second payload of {args.scope}/{args.key} (conflict "
+            f"#{settled.conflict_id}): webhook source {settled.source} answered it 422 and "
+            "published nothing"
+        )
+    elif settled.message_id is None:
         print(
             f"discarded the second payload of {args.scope}/{args.key} (conflict "
             f"#{settled.conflict_id}); its dead letter stays in {settled.channel}.dlq, where "

@@ -52,8 +52,9 @@ def add_migrate(sub: Commands) -> None:
 def add_gc(sub: Commands) -> None:
     gc = sub.add_parser(
         "gc",
-        help="delete expired claims now (workers also do it periodically)",
-        description="Delete the claims whose retention (the handler's retention_s) has passed. "
+        help="delete expired claims and sent outbox rows now (workers also do it periodically)",
+        description="Delete the claims whose retention (the handler's retention_s) has passed, "
+        "then the outbox rows relayed whose retention has passed (never one still to relay). "
         "Workers do it by themselves every --gc-interval-s; run it by hand, or from a "
         "scheduler when the workers run with --gc-interval-s 0. One clean-up runs at a time.",
         epilog=EXIT_STATUS,

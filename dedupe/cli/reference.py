@@ -30,7 +30,10 @@ MEANING = {
     "default 2 x concurrency",
     "shutdown_timeout_s": "grace period for in-flight messages on SIGTERM/SIGINT",
     "connect_timeout_s": "how long to keep retrying PostgreSQL and the broker at start",
-    "gc_interval_s": "period of the workers' clean-up of expired claims; 0 = off",
+    "gc_interval_s": (
+        "period of the workers' clean-up of expired claims and sent outbox rows; "
+        "0 = off (schedule `dedupe-worker gc`)"
+    ),
     "stats_interval_s": "period of the worker's progress log line; 0 = off",
     "worker_name": "owner written on claims (shows in `claims list` and the status page)",
     "log_level": "DEBUG, INFO, WARNING or ERROR (DEBUG adds one line per message)",

@@ -52,11 +52,13 @@ async def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
 def outbox_summary(backlog: dict[str, Any]) -> str:
     """One line on the outbox's backlog (ctx.publish): what waits, how long, what was refused."""
+    lag = backlog.get("cleanup_lag_s") or 0
+    cleanup = f"; sent rows past their retention waiting {lag:.0f} s for clean-up" if lag else ""
     if not backlog["unsent"]:
-        return "nothing waiting to be relayed"
+        return "nothing waiting to be relayed" + cleanup
     return (
         f"{backlog['unsent']} unsent, the oldest {backlog['oldest_unsent_s']:.0f} s old, "
-        f"{backlog['refused']} refused by the broker at least once"
+        f"{backlog['refused']} refused by the broker at least once{cleanup}"
     )
 
 

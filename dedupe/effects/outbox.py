@@ -291,21 +291,6 @@ async def backlog_by_channel(pool: asyncpg.Pool, *, limit: int = 20) -> list[dic
     return [dict(row) for row in rows]
 
 
-async def gc(pool: asyncpg.Pool, *, batch_size: int = 1000, max_batches: int = 100) -> int:
-    """Delete sent rows past their retention, in batches."""
-    deleted = 0
-    try:
-        for _ in range(max_batches):
-            status = await pool.execute(queries("outbox.sql")["gc"], batch_size)
-            count = int(status.split()[-1])
-            deleted += count
-            if count < batch_size:
-                break
-    except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
-        raise StoreError(f"outbox clean-up failed: {exc}") from exc
-    return deleted
-
-
 __all__ = [
     "Outgoing",
     "PublishingCompletions",
@@ -313,6 +298,5 @@ __all__ = [
     "RelayStats",
     "backlog",
     "backlog_by_channel",
-    "gc",
     "with_trace_context",
 ]

@@ -133,6 +133,12 @@ class Metrics(Observer):
             "Outbox rows not relayed yet that the broker refused at least once (retried)",
             registry=self.registry,
         )
+        self.outbox_cleanup_lag = Gauge(
+            "dedupe_outbox_cleanup_lag_seconds",
+            "How long the oldest sent outbox row past its retention has waited for clean-up "
+            "(0 when none; growing: no clean-up runs, see `dedupe-worker gc`)",
+            registry=self.registry,
+        )
         self.last_check = Gauge(
             "dedupe_claims_checked_timestamp_seconds",
             "When the claims table was last looked at for the gauges above",
@@ -217,6 +223,7 @@ class Metrics(Observer):
         self.outbox_unsent.set(unsent["unsent"])
         self.outbox_oldest_unsent.set(unsent["oldest_unsent_s"])
         self.outbox_refused_unsent.set(unsent["refused"])
+        self.outbox_cleanup_lag.set(unsent["cleanup_lag_s"])
         self.last_check.set_to_current_time()
 
     async def check_claims_every(self, store: ClaimStore, interval_s: float) -> None:
@@ -270,6 +277,10 @@ class _ProcessorCollector(Collector):
             "dedupe_cleanup_deleted_rows": (
                 "Expired claims deleted by this process's clean-up",
                 stats.gc_deleted,
+            ),
+            "dedupe_outbox_cleanup_deleted_rows": (
+                "Sent outbox rows past their retention deleted by this process's clean-up",
+                stats.outbox_gc_deleted,
             ),
             "dedupe_group_commits": (
                 "COMMITs of group-commit lanes (group_commit=True handlers)",

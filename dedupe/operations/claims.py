@@ -38,8 +38,10 @@ class Settled:
     conflict_id: int
     how: str  # "discarded" or "run as <key>"
     fingerprint: str  # the second payload's
-    channel: str
+    channel: str | None  # None: an HTTP request's (see http_request)
     message_id: str | None  # the run-as copy's
+    source: str | None = None  # the webhook source that answered 422
+    http_request: str | None = None  # the HTTP middleware's 422: 'POST /orders'
 
 
 class ClaimAdmin:
@@ -122,6 +124,13 @@ class ClaimAdmin:
                     how = "discarded"
                     detail = f"discarded the second payload ({row['fingerprint']})"
                     message_id = None
+                elif row["http_request"] is not None:
+                    raise NotSettled(
+                        f"the conflict of {scope}/{key} is an HTTP request's "
+                        f"({row['http_request']}), answered 422: it cannot run from here (its "
+                        "body is not kept); its client sends it again under a new "
+                        "Idempotency-Key. Settle it with --discard"
+                    )
                 else:
                     if await conn.fetchval(self._q["claim_status"], scope, run_as) is not None:
                         raise NotSettled(
@@ -131,9 +140,9 @@ class ClaimAdmin:
                     if row["payload"] is None:
                         raise NotSettled(
                             f"the second payload of {scope}/{key} was not kept (the handler "
-                            "runs without keep_payload=True, it was over 64 KiB, or its record "
-                            f"was written late): its copy in {row['channel']}.dlq is the only "
-                            "one; have the producer send it again under a new key"
+                            "runs without keep_payload=True, or it was over 64 KiB): its copy "
+                            f"in {row['channel']}.dlq is the only one; have the producer send it "
+                            "again under a new key"
                         )
                     copy = _run_as_copy(row, scope, key, run_as)
                     await add_to_outbox(conn, [copy], retention_s=SETTLED_COPY_RETENTION_S)
@@ -145,7 +154,15 @@ class ClaimAdmin:
                 )
         except (*TRANSIENT_ERRORS, asyncpg.PostgresError) as exc:
             raise StoreError(f"settling the conflict failed: {exc}") from exc
-        return Settled(row["id"], how, row["fingerprint"], row["channel"], message_id)
+        return Settled(
+            row["id"],
+            how,
+            row["fingerprint"],
+            row["channel"],
+            message_id,
+            source=row["source"],
+            http_request=row["http_request"],
+        )
 
     async def purge(
         self,
@@ -198,7 +215,7 @@ def _the_one(
         which = f" with id {conflict_id}" if conflict_id is not None else ""
         raise NotSettled(
             f"no unsettled conflict for {scope}/{key}{which}: `dedupe-worker conflicts list` "
-            "shows the recorded ones (a conflict is recorded within seconds of its dead letter)"
+            "shows the recorded ones (--all: settled ones too)"
         )
     if len(rows) > 1:
         ids = ", ".join(str(r["id"]) for r in rows)

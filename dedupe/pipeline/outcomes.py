@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dedupe.app import Handler
-from dedupe.claims import conflicts
+from dedupe.claims import conflict_records, conflicts
 from dedupe.claims.records import ClaimRequest, Fence, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import storable_text
@@ -197,6 +197,10 @@ class Outcomes:
             if len(settlements) == 1
             else max(settlements, key=lambda s: _SEVERITY[s.action])
         )
+        if settlement.action is Action.DEAD_LETTER:
+            reports = [s.conflict for s in settlements if s.conflict is not None]
+            if reports:  # rare: a statement of its own, committed before the broker hears
+                settlement = await self._recorded(reports, settlement)
         if settlement.action is Action.DEAD_LETTER and settlement.reason is not None:
             self.stats.dead_lettered[settlement.reason.value] += 1
         elif settlement.action is Action.DEFER:
@@ -220,6 +224,18 @@ class Outcomes:
                 except StoreError as exc:
                     # Harmless: a later copy of the message is dead-lettered once more.
                     logger.warning("could not record dead letters as sent: %s", exc)
+
+    async def _recorded(
+        self, reports: Sequence[conflicts.ConflictReport], settlement: Settlement
+    ) -> Settlement:
+        """The settlement of a conflicting message once its records have committed; a
+        requeue when they could not be (the redelivery records them)."""
+        try:
+            await conflict_records.record(self.store.pool, reports)
+        except StoreError as exc:
+            logger.warning("requeueing a conflicting message: %s", exc)
+            return store_unavailable(str(exc))
+        return settlement
 
 
 class Completions:

@@ -32,7 +32,6 @@ from dedupe.claims.verdicts import (
     Verdict,
     request_for,
 )
-from dedupe.effects import outbox
 from dedupe.effects.outbox import Relay
 from dedupe.errors import StoreError
 from dedupe.message import Message
@@ -487,14 +486,19 @@ class Processor:
         while True:
             await asyncio.sleep(self._gc_interval_s)
             try:
-                deleted = await self.store.gc()
-                await outbox.gc(self.store.pool)
+                # One clean-up leader at a time (the advisory lock): None here is another's turn.
+                cleaned = await self.store.gc()
             except StoreError as exc:
                 logger.warning("clean-up failed: %s", exc)
                 continue
-            if deleted:
-                self.stats.gc_deleted += deleted
-                logger.info("clean-up removed %d expired claims", deleted)
+            if cleaned is not None and (cleaned.claims or cleaned.outbox):
+                self.stats.gc_deleted += cleaned.claims
+                self.stats.outbox_gc_deleted += cleaned.outbox
+                logger.info(
+                    "clean-up removed %d expired claims and %d sent outbox rows",
+                    cleaned.claims,
+                    cleaned.outbox,
+                )
 
 
 def _request(handler: Handler, message: Message) -> ClaimRequest | Unclaimable:

@@ -21,6 +21,7 @@ class Stats:
     taken_over: int = 0  # keys claimed from a worker whose lease lapsed
     fenced: int = 0  # completions refused because the token had moved on (zombie writes)
     gc_deleted: int = 0  # expired claims removed by this worker's clean-up
+    outbox_gc_deleted: int = 0  # sent outbox rows past their retention removed by it
     # Group commit: COMMITs of a lane's group, and the members they completed (members / groups
     # is the mean group size: the figure that says whether grouping pays).
     groups_committed: int = 0
@@ -43,6 +44,7 @@ class Stats:
             "taken_over": self.taken_over,
             "fenced": self.fenced,
             "gc_deleted": self.gc_deleted,
+            "outbox_gc_deleted": self.outbox_gc_deleted,
             "groups_committed": self.groups_committed,
             "group_members_committed": self.group_members_committed,
             "one_transaction": self.one_transaction,

@@ -95,27 +95,44 @@ SELECT scope, key, coalesce(fingerprint, 'raw') AS fingerprint,
   FROM dedupe_claims
  WHERE scope = $1 AND key = $2;
 
--- name: add_conflicts
--- Conflicts recorded by workers and receivers (dedupe/observability/activity.py), only while their claim
--- exists (a record without it would never be cleaned up); a message refused again counts.
-INSERT INTO dedupe_conflicts AS x
-    (scope, key, payload_hash, fingerprint, claimed_fingerprint, diff, diff_more, note, channel,
-     message_id, headers, content_type, payload, source, deliveries)
-SELECT i.scope, i.key, i.payload_hash, i.fingerprint, i.claimed, i.diff::jsonb, i.more, i.note,
-       i.channel, i.message_id, i.headers::jsonb, i.content_type, i.payload, i.source,
-       i.deliveries
-  FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[],
-              $7::int[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
-              $13::bytea[], $14::text[], $15::int[])
-       AS i(scope, key, payload_hash, fingerprint, claimed, diff, more, note, channel,
-            message_id, headers, content_type, payload, source, deliveries)
- WHERE EXISTS (SELECT 1 FROM dedupe_claims c WHERE c.scope = i.scope AND c.key = i.key)
-    ON CONFLICT (scope, key, payload_hash) DO UPDATE
-   SET deliveries = x.deliveries + EXCLUDED.deliveries, last_at = now();
+-- name: record_conflicts
+-- Conflicts recorded before their messages are settled (dedupe/claims/conflict_records.py):
+-- one row per (scope, key, second payload's hash), only while the claim exists (a record
+-- without it would never be cleaned up). A payload refused again counts its deliveries on its
+-- row; a row's first delivery writes the history's `conflict` event, in the same statement
+-- (a flood of one payload is one row and one event). The inputs' (scope, key, payload_hash)
+-- are distinct (ON CONFLICT cannot touch a row twice in one statement). A row is new when it
+-- counts no more deliveries than its input: an update adds to at least one.
+WITH i AS (
+    SELECT *
+      FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::text[],
+                  $7::int[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
+                  $13::bytea[], $14::text[], $15::int[], $16::text[], $17::text[])
+           AS i(scope, key, payload_hash, fingerprint, claimed, diff, more, note, channel,
+                message_id, headers, content_type, payload, source, deliveries, http_request,
+                event_detail)
+), recorded AS (
+    INSERT INTO dedupe_conflicts AS x
+        (scope, key, payload_hash, fingerprint, claimed_fingerprint, diff, diff_more, note,
+         channel, message_id, headers, content_type, payload, source, deliveries, http_request)
+    SELECT i.scope, i.key, i.payload_hash, i.fingerprint, i.claimed, i.diff::jsonb, i.more,
+           i.note, i.channel, i.message_id, i.headers::jsonb, i.content_type, i.payload,
+           i.source, i.deliveries, i.http_request
+      FROM i
+     WHERE EXISTS (SELECT 1 FROM dedupe_claims c WHERE c.scope = i.scope AND c.key = i.key)
+        ON CONFLICT (scope, key, payload_hash) DO UPDATE
+       SET deliveries = x.deliveries + EXCLUDED.deliveries, last_at = now()
+    RETURNING x.scope, x.key, x.payload_hash, x.deliveries
+)
+INSERT INTO dedupe_claim_events (scope, key, event, detail)
+SELECT r.scope, r.key, 'conflict', i.event_detail
+  FROM recorded r
+  JOIN i ON i.scope = r.scope AND i.key = r.key AND i.payload_hash = r.payload_hash
+ WHERE r.deliveries <= i.deliveries;
 
 -- name: conflicts_of
 SELECT id, at, last_at, deliveries, fingerprint, claimed_fingerprint, diff::text AS diff,
-       diff_more AS more, note, channel, message_id, source,
+       diff_more AS more, note, channel, message_id, source, http_request,
        octet_length(payload) AS payload_bytes, settled_at, settled
   FROM dedupe_conflicts
  WHERE scope = $1 AND key = $2
@@ -123,8 +140,9 @@ SELECT id, at, last_at, deliveries, fingerprint, claimed_fingerprint, diff::text
 
 -- name: list_conflicts
 -- Newest first; $3: settled ones too. The scope filter is a scope and its tenants.
-SELECT id, at, scope, key, deliveries, fingerprint, claimed_fingerprint, diff::text AS diff,
-       diff_more AS more, note, source, octet_length(payload) AS payload_bytes, settled_at,
+SELECT id, at, last_at, scope, key, deliveries, fingerprint, claimed_fingerprint,
+       diff::text AS diff, diff_more AS more, note, source, http_request,
+       octet_length(payload) AS payload_bytes, settled_at,
        settled
   FROM dedupe_conflicts
  WHERE ($1::text IS NULL OR scope = $1 OR starts_with(scope, $1 || '/'))
@@ -136,7 +154,7 @@ SELECT id, at, scope, key, deliveries, fingerprint, claimed_fingerprint, diff::t
 -- The unsettled conflicts of a key ($3: one of them), locked until the settling commits, so
 -- two operators cannot settle one conflict twice.
 SELECT id, fingerprint, channel, message_id, headers::text AS headers, content_type, payload,
-       source
+       source, http_request
   FROM dedupe_conflicts
  WHERE scope = $1 AND key = $2 AND settled_at IS NULL AND ($3::bigint IS NULL OR id = $3)
  ORDER BY id

@@ -80,10 +80,16 @@ UPDATE dedupe_outbox later SET next_try_at = greatest(later.next_try_at, refused
 
 -- name: backlog
 -- Operators' view (metrics, status): unsent rows, the oldest one's age (the relay's lag) and
--- those the broker refused at least once; over the partial index of unsent rows only.
+-- those the broker refused at least once, over the partial index of unsent rows; and how long
+-- the oldest sent row past its retention has waited for clean-up (a min over the partial
+-- index of sent rows: growing without end means no clean-up runs, e.g. every worker has
+-- --gc-interval-s 0 and no scheduler runs `dedupe-worker gc`).
 SELECT count(*)::bigint AS unsent,
        coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_unsent_s,
-       count(*) FILTER (WHERE attempts > 0)::bigint AS refused
+       count(*) FILTER (WHERE attempts > 0)::bigint AS refused,
+       coalesce((SELECT extract(epoch FROM now() - min(expires_at))
+                   FROM dedupe_outbox WHERE sent_at IS NOT NULL AND expires_at < now()),
+                0)::float8 AS cleanup_lag_s
   FROM dedupe_outbox WHERE sent_at IS NULL;
 
 -- name: backlog_by_channel
@@ -99,6 +105,8 @@ SELECT channel, count(*)::bigint AS unsent,
  LIMIT $1;
 
 -- name: gc
+-- Sent rows past their retention, one batch; run by the clean-up leader only (ClaimStore.gc,
+-- under the clean-up lock), never a row still to relay.
 DELETE FROM dedupe_outbox
  WHERE id IN (SELECT id FROM dedupe_outbox
                WHERE sent_at IS NOT NULL AND expires_at < now()

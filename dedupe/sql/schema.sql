@@ -197,7 +197,9 @@ CREATE TABLE dedupe_scope_counts (
 -- another payload, with both fingerprints, the paths that differ (values never stored: see
 -- dedupe/claims/conflicts.py) and, for handlers with keep_payload=True, the second payload, so
 -- that `dedupe-worker conflicts settle` can discard it or run it under a new key. One row per
--- (scope, key, payload_hash): a conflicting message delivered again counts a delivery.
+-- (scope, key, payload_hash): a conflicting message delivered again counts a delivery, so a
+-- flood of one payload is one row. Written before the message is settled (its dead letter, the
+-- receiver's or the HTTP middleware's 422: dedupe/claims/conflict_records.py), never buffered.
 CREATE TABLE dedupe_conflicts (
     id                   bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     scope                text        NOT NULL,
@@ -208,7 +210,8 @@ CREATE TABLE dedupe_conflicts (
     diff                 jsonb,                 -- the paths that differ; NULL: not known
     diff_more            integer     NOT NULL DEFAULT 0,  -- differing paths left out of diff
     note                 text,                  -- what the diff cannot say ('the same JSON value')
-    channel              text        NOT NULL,  -- where a run-as copy is published
+    channel              text,                  -- where a run-as copy is published; NULL: HTTP
+    http_request         text,                  -- the HTTP middleware's: 'POST /orders' (no query)
     message_id           text,
     headers              jsonb       NOT NULL DEFAULT '{}',  -- the sender's, for a run-as copy
     content_type         text,
@@ -317,4 +320,5 @@ INSERT INTO dedupe_migrations (version, name) VALUES
     (7, 'outbox_and_steps'),
     (8, 'fingerprints'),
     (9, 'outbox_producer_index'),
-    (10, 'failure_reason');
+    (10, 'failure_reason'),
+    (11, 'conflict_records');

@@ -160,3 +160,19 @@ async def test_the_status_page_shows_the_outbox_backlog_by_channel(
     assert "2 unsent" in page and "1 refused" in page
     assert "<td>receipts</td><td class='n'>2</td><td class='n'>30" in section  # 300-odd s
     assert "ConnectionError: broker &lt;down&gt;" in section  # escaped
+
+
+async def test_the_status_page_shows_how_long_sent_outbox_rows_wait_for_clean_up(
+    db: asyncpg.Connection, status_server: str
+) -> None:
+    """A sent row a day past its retention (no clean-up ran): the page says how long, and
+    which command cleans it when the workers do not."""
+    await db.execute(
+        """INSERT INTO dedupe_outbox (producer, channel, message_id, body, sent_at, expires_at)
+           VALUES ('shop.charge\x1fa', 'receipts', 'r-1', 'x', now() - interval '2 days',
+                   now() - interval '1 day')"""
+    )
+    async with httpx.AsyncClient() as client:
+        page = (await client.get(f"{status_server}/status")).text
+    section = page[page.index("id='outbox-cleanup'") :]
+    assert "have waited 86,4" in section and "dedupe-worker gc" in section

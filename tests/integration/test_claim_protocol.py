@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from dedupe import App, Context, Reject, Retry
 from dedupe.claims.records import ClaimRequest, Fence, Reason
-from dedupe.claims.store import ClaimStore
+from dedupe.claims.store import ClaimStore, Cleaned
 from dedupe.errors import ConfigurationError
 from dedupe.operations.claims import ClaimAdmin
 from dedupe.pipeline.processor import Processor
@@ -536,7 +536,7 @@ async def test_clean_up_removes_only_expired_rows(
         await lock_holder.execute("SELECT pg_advisory_lock($1)", 0x6465_6475_7065)
         assert await store.gc(batch_size=10) is None  # someone else is cleaning up
         await lock_holder.execute("SELECT pg_advisory_unlock($1)", 0x6465_6475_7065)
-    assert await store.gc(batch_size=10) == 27
+    assert await store.gc(batch_size=10) == Cleaned(claims=27, outbox=0)
     left = await db.fetch("SELECT key FROM dedupe_claims ORDER BY key")
     assert [r["key"] for r in left] == ["fresh", "running"]
 
@@ -571,7 +571,7 @@ async def test_clean_up_and_purge_on_a_hash_partitioned_table_delete_only_their_
     )
     assert len(per_partition) == 2
     assert all(0 < r["expired"] < r["rows"] for r in per_partition)
-    assert await store.gc(batch_size=7) == 20
+    assert await store.gc(batch_size=7) == Cleaned(claims=20, outbox=0)
     left = await db.fetch("SELECT key FROM dedupe_claims")
     assert sorted(int(r["key"][1:]) for r in left) == list(range(1, 41, 2))
     await db.execute(

@@ -134,7 +134,8 @@ async def test_a_conflict_goes_with_its_claim(
     assert await db.fetchval("SELECT count(*) FROM dedupe_conflicts") == 1
     await db.execute("UPDATE dedupe_claims SET expires_at = now() - interval '1 s'")
     if how == "gc":
-        assert await store.gc() == 1
+        cleaned = await store.gc()
+        assert cleaned is not None and cleaned.claims == 1
     else:
         await db.execute("UPDATE dedupe_claims SET updated_at = now() - interval '1 day'")
         assert await ClaimAdmin(store).purge(older_than_s=3600) == 1
