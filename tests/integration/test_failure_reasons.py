@@ -130,7 +130,7 @@ async def test_the_migration_splits_the_old_form_where_it_starts_with_a_known_re
             [(error, "failed") for error, _ in old] + [("handler_error: x", "attempt")],
         )
 
-        assert await migrate(db_url) == ["0010_failure_reason"]
+        assert (await migrate(db_url))[0] == "0010_failure_reason"  # and any later ones
 
         rows = await conn.fetch("SELECT key, reason, error FROM dedupe_claims")
         claims = {row["key"]: (row["reason"], row["error"]) for row in rows}
