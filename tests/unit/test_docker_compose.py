@@ -122,3 +122,55 @@ def test_kafka_image_matches_the_version_services_sh_runs(services: dict[str, An
     match = re.search(r"<kafka\.version>([^<]+)</kafka\.version>", POM.read_text())
     assert match, "scripts/kafka/pom.xml has no kafka.version"
     assert services["kafka"]["image"] == f"apache/kafka:{match.group(1)}"
+
+
+# The cluster profile: what scripts/cluster.sh runs, on the same host ports.
+CLUSTER = {
+    "pg-primary": 5442,
+    "pg-standby": 5443,
+    "rabbit-c1": 5681,
+    "rabbit-c2": 5682,
+    "rabbit-c3": 5683,
+    "kafka-c1": 19092,
+    "kafka-c2": 19192,
+    "kafka-c3": 19292,
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLUSTER))
+def test_the_cluster_profile_matches_cluster_sh(services: dict[str, Any], name: str) -> None:
+    """Each cluster node is in the `cluster` profile only (a plain `up` starts the three single
+    nodes), publishes cluster.sh's port on 127.0.0.1, and has a health check."""
+    service = services[name]
+    assert service.get("profiles") == ["cluster"]
+    ports = published(service)
+    assert [(ip, host) for ip, host, _ in ports] == [("127.0.0.1", CLUSTER[name])]
+    assert service.get("healthcheck", {}).get("test")
+    script = (ROOT / "scripts" / "cluster.sh").read_text()
+    assert str(CLUSTER[name]) in script
+
+
+def test_the_cluster_kafka_is_three_voters_with_rf_3_and_min_isr_2(
+    services: dict[str, Any],
+) -> None:
+    ids = set()
+    for name in ("kafka-c1", "kafka-c2", "kafka-c3"):
+        found = env(services[name])
+        ids.add(found["KAFKA_NODE_ID"])
+        assert found["KAFKA_CONTROLLER_QUORUM_VOTERS"].count("@") == 3
+        assert found["KAFKA_DEFAULT_REPLICATION_FACTOR"] == "3"
+        assert found["KAFKA_MIN_INSYNC_REPLICAS"] == "2"
+        assert found["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "3"
+        port = str(CLUSTER[name])
+        assert f"127.0.0.1:{port}" in found["KAFKA_ADVERTISED_LISTENERS"]
+    assert ids == {"1", "2", "3"}
+
+
+def test_the_cluster_standby_streams_synchronously_from_the_primary(
+    services: dict[str, Any],
+) -> None:
+    primary = " ".join(services["pg-primary"]["command"])
+    standby = " ".join(services["pg-standby"]["command"])
+    assert "synchronous_standby_names=dedupe_standby" in primary
+    assert "host replication dedupe" in primary
+    assert "application_name=dedupe_standby" in standby and "-R" in standby
