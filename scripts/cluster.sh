@@ -58,17 +58,9 @@ export LC_ALL="${LC_ALL:-C.UTF-8}"
 log() { printf 'cluster: %s\n' "$*"; }
 die() { printf 'cluster: error: %s\n' "$*" >&2; exit 1; }
 now() { date +%s; }
-port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
-# Run a command (in a subshell: it execs) without our file descriptors above 2, so a daemon it
-# starts never holds a caller's pipe open.
-without_extra_fds() {
-  local fd
-  for fd in /proc/self/fd/*; do
-    fd="${fd##*/}"
-    if [ "$fd" -gt 2 ] 2>/dev/null; then eval "exec ${fd}>&-" 2>/dev/null || true; fi
-  done
-  exec "$@"
-}
+# without_extra_fds and port_open.
+# shellcheck source=scripts/lib/process.sh
+. "$ROOT/scripts/lib/process.sh"
 
 usage() {
   sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'

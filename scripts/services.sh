@@ -64,21 +64,10 @@ usage() {
   sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
-# Run a command that starts a daemon with no inherited file descriptors beyond 0-2: a daemon
-# holding a caller's pipe (make's jobserver, a CI log pipe, our lock on fd 9) keeps it open.
-without_extra_fds() {
-  local fd
-  for fd in /proc/self/fd/*; do
-    fd="${fd##*/}"
-    if [ "$fd" -gt 2 ] 2>/dev/null; then eval "exec ${fd}>&-" 2>/dev/null || true; fi
-  done
-  exec "$@"
-}
-
-# True if something accepts TCP connections on 127.0.0.1:$1 (bounded to 2 s).
-port_open() {
-  timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null
-}
+# without_extra_fds (a daemon must not hold a caller's pipe: make's jobserver, a CI log pipe,
+# our lock on fd 9) and port_open.
+# shellcheck source=scripts/lib/process.sh
+. "$ROOT/scripts/lib/process.sh"
 
 # ----------------------------------------------------------------------------------------------
 # Packages (installed only when missing; apt-get update at most once per run)
