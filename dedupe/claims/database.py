@@ -206,6 +206,18 @@ async def check_schema(db: Any, *, where: str | None = None) -> SchemaVersion:
     problem = version.problem(where)
     if problem is not None:
         raise SchemaMismatch(problem)
+    try:
+        claims_table = await db.fetchval("SELECT to_regclass('dedupe_claims') IS NOT NULL")
+    except _STORE_DOWN as exc:
+        raise StoreError(f"cannot read the schema: {said(exc)}") from exc
+    if not claims_table:
+        at = f" ({where})" if where else ""
+        raise SchemaMismatch(
+            f"this database{at} records every migration as applied, but its claims table "
+            "dedupe_claims is missing (dropped by hand?): restore it from a backup, or drop "
+            "the table dedupe_migrations and run `dedupe-worker migrate` to create the schema "
+            "again"
+        )
     return version
 
 
