@@ -10,14 +10,31 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    NodeNotReadyError,
+    RequestTimedOutError,
+    TopicAlreadyExistsError,
+)
 
 from dedupe.claims.keys import MESSAGE_ID_HEADER
-from dedupe.errors import ConfigurationError
+from dedupe.errors import BrokerUnavailable, ConfigurationError
 from dedupe.transport import dlq_name
 from dedupe_kafka.options import KafkaOptions
 
 logger = logging.getLogger(__name__)
+
+# What aiokafka raises when no broker answers (at start, for metadata, or for a send's ack):
+# the publisher says BrokerUnavailable, as RabbitMQ's does, so that the outbox relay waits as a
+# whole instead of counting a refusal against each row.
+_UNREACHABLE = (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    NodeNotReadyError,
+    RequestTimedOutError,
+    OSError,
+)
 
 
 @contextlib.asynccontextmanager
@@ -110,7 +127,16 @@ class KafkaPublisher:
     async def start(self) -> None:
         async with self._lock:
             if self._producer is None:
-                self._producer = await idempotent_producer(self.options)
+                try:
+                    self._producer = await idempotent_producer(self.options)
+                except _UNREACHABLE as exc:
+                    raise self._unavailable(exc) from exc
+
+    def _unavailable(self, exc: BaseException) -> BrokerUnavailable:
+        return BrokerUnavailable(
+            f"cannot reach Kafka at {self.options.bootstrap_servers} "
+            f"({exc.__class__.__name__}: {exc})"
+        )
 
     async def publish(
         self,
@@ -124,7 +150,10 @@ class KafkaPublisher:
         future = await self.send(
             channel, body, message_id=message_id, headers=headers, key=key or message_id.encode()
         )
-        await future
+        try:
+            await future
+        except _UNREACHABLE as exc:
+            raise self._unavailable(exc) from exc
 
     async def send(
         self,
@@ -138,16 +167,19 @@ class KafkaPublisher:
     ) -> asyncio.Future[Any]:
         """Queue one record; the returned future resolves when the broker has it."""
         await self.start()
-        if channel not in self._topics:
-            await ensure_topics(self.options, [channel, dlq_name(channel)])
-            self._topics.add(channel)
         assert self._producer is not None
         record_headers = encode_headers(headers)
         if message_id is not None:
             record_headers.insert(0, (MESSAGE_ID_HEADER, message_id.encode()))
-        future: asyncio.Future[Any] = await self._producer.send(
-            channel, value=body, key=key, headers=record_headers, partition=partition
-        )
+        try:
+            if channel not in self._topics:
+                await ensure_topics(self.options, [channel, dlq_name(channel)])
+                self._topics.add(channel)
+            future: asyncio.Future[Any] = await self._producer.send(
+                channel, value=body, key=key, headers=record_headers, partition=partition
+            )
+        except _UNREACHABLE as exc:
+            raise self._unavailable(exc) from exc
         return future
 
     async def close(self) -> None:

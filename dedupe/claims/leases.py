@@ -14,7 +14,7 @@ from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import Ours
 from dedupe.errors import StoreError
 
-logger = logging.getLogger("dedupe.pipeline")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)

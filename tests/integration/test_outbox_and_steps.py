@@ -360,6 +360,48 @@ async def test_a_broker_that_cannot_be_reached_refuses_no_row_and_costs_no_row_a
     assert (row["attempts"], row["last_error"]) == (0, None) and row["sent_at"] is not None
 
 
+class CountingKafka(KafkaPublisher):
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.tries = 0
+
+    async def publish(
+        self, channel: str, body: bytes, *, message_id: str, headers: Mapping[str, str], **kw: Any
+    ) -> None:
+        self.tries += 1
+        await super().publish(channel, body, message_id=message_id, headers=headers, **kw)
+
+
+async def test_a_kafka_publisher_that_reaches_no_broker_says_broker_unavailable(
+    store: ClaimStore, orders: asyncpg.Connection
+) -> None:
+    """The Kafka publisher turns aiokafka's connection errors into BrokerUnavailable, as
+    RabbitMQ's does (before, KafkaConnectionError reached the relay as a refusal of the row:
+    each try counted an attempt and pushed the row a growing backoff further)."""
+    from dedupe.claims.completion import add_to_outbox
+    from dedupe.effects.outbox import Outgoing, Relay
+
+    with pytest.raises(BrokerUnavailable, match=r"cannot reach Kafka at 127\.0\.0\.1:1 "):
+        async with KafkaPublisher("kafka://127.0.0.1:1") as unreachable:
+            await unreachable.publish("emails", b"{}", message_id="x", headers={})
+
+    async with store.pool.acquire() as conn, conn.transaction():
+        await add_to_outbox(conn, [Outgoing("p", "emails", "p/0", b"{}", {}, None)], retention_s=60)
+    publisher = CountingKafka("kafka://127.0.0.1:1")
+    async with Relay(store.pool, publisher, interval_s=0.01) as relay:
+        relay.wake()
+
+        async def tried_twice() -> bool:
+            return publisher.tries >= 2
+
+        await eventually(tried_twice, timeout_s=10)
+    await publisher.close()
+    assert relay.stats.refused == 0
+    row = await orders.fetchrow("SELECT attempts, last_error, sent_at FROM dedupe_outbox")
+    assert row is not None
+    assert (row["attempts"], row["last_error"], row["sent_at"]) == (0, None, None)
+
+
 async def test_runs_that_only_publish_share_their_completion_transactions(
     store: ClaimStore, orders: asyncpg.Connection
 ) -> None:
