@@ -7,7 +7,9 @@
         await worker.wait()          # or serve your API meanwhile (a FastAPI lifespan)
 
 Leaving the block stops gracefully: no new deliveries, claims not yet running are given back
-at once, runs under way get `shutdown_timeout_s`, then their keys are given back too.
+at once, runs under way get `shutdown_timeout_s`, then their keys are given back too. What
+comes after the runs (the give-backs, the broker's and the database's goodbyes) gets at most
+`STOP_GRACE_S` (12 s) more: a network that swallows packets cannot hold a stopping worker.
 `dedupe-worker run` is this, plus signal handling, metrics and the progress line.
 """
 
@@ -20,6 +22,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
+
+import asyncpg
 
 from dedupe.app import App
 from dedupe.claims.database import check_schema, connect_pool, redact
@@ -56,6 +60,10 @@ async def retrying(what: str, connect: Callable[[], Awaitable[T]], timeout_s: fl
 
 # Pooled connections opened, with the claim statements planned, before the first delivery.
 WARM_CONNECTIONS = 8
+# After shutdown_timeout_s, the longest a stop waits for the give-backs and goodbyes (the
+# runs' keys, the transport's end, the buffers' last flush, the pool's close) on a network
+# that neither answers nor closes.
+STOP_GRACE_S = 12.0
 
 
 def freeze_startup_heap() -> None:
@@ -130,6 +138,9 @@ class Worker:
         self._publisher = publisher
         self._processor: Processor | None = None
         self._serving: asyncio.Task[None] | None = None
+        self._pool: asyncpg.Pool | None = None
+        self._closing_bound: asyncio.Timeout | None = None
+        self._cut = False
         self._stop = asyncio.Event()
         self._stopped = False
         self._resources = contextlib.AsyncExitStack()
@@ -160,6 +171,7 @@ class Worker:
                 lambda: connect_pool(settings.database_url, max_size=settings.concurrency + 4),
                 settings.connect_timeout_s,
             )
+            self._pool = pool
             self._resources.push_async_callback(pool.close)
             store = ClaimStore(pool, owner=settings.worker_name)
             await check_migrated(store, settings.database_url)  # before a delivery is taken
@@ -234,24 +246,62 @@ class Worker:
             return
         self._stopped = True
         self._stop.set()
-        processor = self._processor
-        if processor is not None:
-            limit = self.settings.shutdown_timeout_s if timeout_s is None else timeout_s
-            drain = asyncio.create_task(processor.drain(timeout_s=limit))
-            forced = asyncio.ensure_future(now.wait()) if now is not None else None
-            await asyncio.wait(
-                {drain} if forced is None else {drain, forced},
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if not drain.done():
-                drain.cancel()
-                await processor.drain(timeout_s=0)
-            if forced is not None:
-                forced.cancel()
-        if self._serving is not None:
-            with contextlib.suppress(Exception):
-                await self._serving
-        await self._resources.aclose()
+        loop = asyncio.get_running_loop()
+        limit = self.settings.shutdown_timeout_s if timeout_s is None else timeout_s
+        # The runs get `limit`; the give-backs and goodbyes after them STOP_GRACE_S. Past both,
+        # a path that neither answers nor closes is cut here: the pool's connections are
+        # dropped, so whatever still waits on them fails at once and the stop goes on.
+        watchdog = loop.call_later(limit + STOP_GRACE_S, self._cut_the_database)
+        try:
+            processor = self._processor
+            if processor is not None:
+                drain = asyncio.create_task(processor.drain(timeout_s=limit))
+                forced = asyncio.ensure_future(now.wait()) if now is not None else None
+                await asyncio.wait(
+                    {drain} if forced is None else {drain, forced},
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not drain.done():  # a second signal: the runs' time is over
+                    watchdog.cancel()
+                    watchdog = loop.call_later(STOP_GRACE_S, self._cut_the_database)
+                    drain.cancel()
+                    await processor.drain(timeout_s=0)
+                if forced is not None:
+                    forced.cancel()
+            if self._serving is not None:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self._serving
+            try:
+                # Once cut, the goodbyes get one more grace; what still waits then is left.
+                async with asyncio.timeout(None) as bound:
+                    if self._cut:
+                        bound.reschedule(loop.time() + STOP_GRACE_S)
+                    self._closing_bound = bound
+                    await self._resources.aclose()
+            except TimeoutError:
+                logger.warning("stopping: the connections' goodbyes did not end; left behind")
+        finally:
+            watchdog.cancel()
+
+    def _cut_the_database(self) -> None:
+        pool = self._pool
+        logger.warning(
+            "stopping: PostgreSQL did not answer within %.0fs of the runs' time; the pool's "
+            "connections are dropped (the server releases what they held when it sees them "
+            "gone; keys not given back are taken over when their leases lapse)",
+            STOP_GRACE_S,
+        )
+        if pool is not None:
+            with contextlib.suppress(Exception):  # closed already
+                pool.terminate()
+        # What waited on the pool (a statement, a free connection) waits no more: the runs and
+        # the transport's batches still under way are cancelled, their messages redelivered.
+        if self._serving is not None and not self._serving.done():
+            self._serving.cancel()
+        if self._closing_bound is not None:
+            self._closing_bound.reschedule(asyncio.get_running_loop().time() + STOP_GRACE_S)
+        else:
+            self._cut = True
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()

@@ -34,6 +34,8 @@ from tests.conftest import AMQP_URL, KAFKA_URL
 BROKERS = {"rabbitmq": lambda: ChaosRabbit(AMQP_URL), "kafka": lambda: ChaosKafka(KAFKA_URL)}
 SERVICE_URLS = {"PostgreSQL": "DEDUPE_DATABASE_URL", "RabbitMQ": "DEDUPE_BROKER_URL"}
 LATENCY_S = 0.005
+# A worker told to stop exits within this, whatever its network does.
+STOP_WITHIN_S = 30.0
 
 
 def _through(url: str, proxy: FaultProxy) -> str:
@@ -74,8 +76,9 @@ def slow_path(service: str) -> Fault:
 
 def one_workers_path(service: str, kind: str) -> Fault:
     """One more worker through a proxy of its own; at each milestone its path is stalled for
-    2.5 leases then healed (`stall`), or cut (`cut`). At the end it stops by SIGTERM and must
-    exit cleanly: a worker that crashed or hung on the faulty path is a problem."""
+    2.5 leases then healed (`stall`), or cut (`cut`). At the end it stops by SIGTERM (for
+    `stall`, with its path stalled again) and must exit cleanly within its bounds: a worker that
+    crashed or hung on the faulty path is a problem."""
     variable = SERVICE_URLS[service]
 
     async def inject(run: Run) -> int:
@@ -94,10 +97,14 @@ def one_workers_path(service: str, kind: str) -> Fault:
                     else:
                         proxy.cut()
                     injected += 1
+                if kind == "stall" and victim.poll() is None:
+                    # Stopped while its path is stalled: bounded by its own timeouts, not the
+                    # network's return.
+                    proxy.stall()
             finally:
+                await _stop(run, victim)
                 proxy.heal()
                 proxy.resume()
-                await _stop(run, victim)
             assert proxy.connections > 0, "the worker never went through the proxy"
         return injected
 
@@ -112,8 +119,8 @@ async def _stop(run: Run, victim: subprocess.Popen[bytes]) -> None:
         run.unexpected_exits += 1
         return
     victim.send_signal(signal.SIGTERM)
-    try:
-        code = await asyncio.to_thread(victim.wait, 30)
+    try:  # --shutdown-timeout-s 5, then statements bounded by their own timeouts
+        code = await asyncio.to_thread(victim.wait, STOP_WITHIN_S)
     except subprocess.TimeoutExpired:
         victim.kill()
         await asyncio.to_thread(victim.wait, 10)

@@ -104,3 +104,44 @@ async def test_a_database_without_the_claims_table_is_a_clear_error(
     with pytest.raises(ConfigurationError, match="dedupe-worker migrate"):
         async with Worker(App("x"), broker_url=amqp_url, database_url=db_url):
             pass
+
+
+async def test_stopping_with_the_database_path_stalled_is_bounded(
+    broker: Broker, channel: str, db_url: str, db: asyncpg.Connection
+) -> None:
+    """The path to PostgreSQL stalls (packets swallowed, connections left open) while a run is
+    under way, and the worker is told to stop: it is done within its shutdown timeout plus the
+    store's own bound, not when the network heals (before, it waited on the stalled
+    connections' give-back and close for ever)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from tests.chaos.proxy import FaultProxy
+
+    await db.execute("CREATE TABLE effects (key text NOT NULL)")
+    await broker.publish(channel, [(json.dumps({"n": 1}).encode(), {}, "slow")])
+    parts = urlsplit(db_url)
+    assert parts.hostname is not None and parts.port is not None
+    async with FaultProxy(parts.hostname, parts.port) as proxy:
+        creds = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+        through = urlunsplit(parts._replace(netloc=f"{creds}{proxy.address}"))
+        worker = Worker(
+            effects_app(channel, delay_s=60),
+            transport=broker.transport(),
+            database_url=through,
+            broker_url="amqp://ignored.invalid/",
+            shutdown_timeout_s=0.5,
+        )
+        async with worker:
+
+            async def running() -> bool:
+                return bool(await db.fetchval("SELECT count(*) FROM dedupe_claims"))
+
+            await eventually(running)
+            proxy.stall()
+            began = time.monotonic()
+            try:
+                async with asyncio.timeout(20):
+                    await worker.stop()
+            finally:
+                proxy.resume()
+        assert time.monotonic() - began < 0.5 + 12 + 5  # runs, grace, a margin
