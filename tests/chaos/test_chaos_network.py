@@ -26,7 +26,7 @@ import pytest
 
 from tests.chaos import faults
 from tests.chaos.brokers import ChaosKafka, ChaosRabbit
-from tests.chaos.conftest import run_scenario
+from tests.chaos.conftest import FAULTS, SIZE, run_scenario
 from tests.chaos.faults import Fault, Run
 from tests.chaos.proxy import FaultProxy
 from tests.conftest import AMQP_URL, KAFKA_URL
@@ -34,6 +34,9 @@ from tests.conftest import AMQP_URL, KAFKA_URL
 BROKERS = {"rabbitmq": lambda: ChaosRabbit(AMQP_URL), "kafka": lambda: ChaosKafka(KAFKA_URL)}
 SERVICE_URLS = {"PostgreSQL": "DEDUPE_DATABASE_URL", "RabbitMQ": "DEDUPE_BROKER_URL"}
 LATENCY_S = 0.005
+# make test's size keeps these rows short (three faults each; a stall costs 2.5 leases); the
+# large run (make chaos) takes CHAOS_FAULTS.
+NETWORK_FAULTS = FAULTS if SIZE > 2000 else min(FAULTS, 3)
 # A worker told to stop exits within this, whatever its network does.
 STOP_WITHIN_S = 30.0
 
@@ -179,5 +182,6 @@ async def test_a_network_that_misbehaves_loses_nothing_and_does_nothing_twice(
         db_url=db_url,
         channel=channel,
         logs=tmp_path,
+        faults=NETWORK_FAULTS,
     )
     assert not report.problems, report.problems
