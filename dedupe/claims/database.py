@@ -91,7 +91,34 @@ def loopback_without_tls(dsn: str) -> bool:
     parts = urlsplit(dsn)
     if "sslmode" in parse_qs(parts.query) or os.environ.get("PGSSLMODE"):
         return False
-    return parts.hostname in ("127.0.0.1", "::1", "localhost")
+    hosts = hosts_of(dsn)
+    return bool(hosts) and all(host in ("127.0.0.1", "::1", "localhost") for host in hosts)
+
+
+def hosts_of(dsn: str) -> list[str]:
+    """The hosts a URL lists (`postgresql://u:p@h1:5432,h2:5432/db`), without their ports."""
+    netloc = urlsplit(dsn).netloc.rsplit("@", 1)[-1]
+    hosts = []
+    for item in netloc.split(","):
+        if item.startswith("["):  # [::1]:5432
+            hosts.append(item[1 : item.find("]")])
+        elif item:
+            hosts.append(item.rsplit(":", 1)[0] if item.count(":") == 1 else item)
+    return hosts
+
+
+def session_options(dsn: str) -> dict[str, Any]:
+    """A URL listing several hosts (a primary and its standbys) connects to the one that
+    accepts writes: target_session_attrs=read-write unless the URL or PGTARGETSESSIONATTRS
+    says otherwise. Every new connection of the pool tries the hosts in turn, so after a
+    failover the pool finds the promoted standby by itself."""
+    if len(hosts_of(dsn)) < 2:
+        return {}
+    if "target_session_attrs" in parse_qs(urlsplit(dsn).query):
+        return {}
+    if os.environ.get("PGTARGETSESSIONATTRS"):
+        return {}
+    return {"target_session_attrs": "read-write"}
 
 
 async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
@@ -106,6 +133,7 @@ async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> as
             connection_class=StoreConnection,
             reset=_reset,
             **({"ssl": False} if loopback_without_tls(dsn) else {}),
+            **session_options(dsn),
         )
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise StoreError(
@@ -226,7 +254,7 @@ async def migrate(dsn: str, *, up_to: int | None = None) -> list[str]:
     given: a test's database as an older version left it); return the names applied."""
     applied: list[str] = []
     try:
-        conn = await asyncpg.connect(dsn, timeout=10)
+        conn = await asyncpg.connect(dsn, timeout=10, **session_options(dsn))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise StoreError(
             f"cannot connect to PostgreSQL at {redact(dsn)}: {exc}. Is it running "
