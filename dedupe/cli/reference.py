@@ -60,6 +60,12 @@ OTHER_VARIABLES = {
         "TLS to PostgreSQL when the URL has no `sslmode` (read by asyncpg). Set, it also "
         "turns off the shortcut that connects to a loopback PostgreSQL without TLS",
     ),
+    "PGTARGETSESSIONATTRS": (
+        "commands that connect to PostgreSQL",
+        "which host of a URL listing several to keep (read by asyncpg). Unset, and with no "
+        "`target_session_attrs` in the URL, a URL with several hosts asks for `read-write` "
+        "(the primary; [operations](operations.md#running-against-clusters))",
+    ),
     "PGPASSWORD, PGPASSFILE, PGSSLROOTCERT, PGSSLCERT, PGSSLKEY, ...": (
         "commands that connect to PostgreSQL",
         "the other libpq variables asyncpg reads, for what the URL leaves out (a password, "
