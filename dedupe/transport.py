@@ -5,12 +5,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import json
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dedupe.claims.conflicts import CONFLICT_HEADERS, ConflictReport
 from dedupe.claims.records import Reason
+from dedupe.claims.values import storable_text
 from dedupe.message import Message
 
 
@@ -39,6 +41,9 @@ class Settlement:
     failed_claim: bool = False
     # A key_conflict's report: both fingerprints and the diff, on the dead letter's headers.
     conflict: ConflictReport | None = None
+    # A duplicate of a key that failed for good: its recorded reason and detail, for the fault
+    # reply its request gets again (a dead letter carries them in `reason` and `detail`).
+    failed_reason: Reason | None = None
 
 
 ACK = Settlement(Action.ACK)
@@ -54,6 +59,50 @@ DEAD_LETTER_HEADERS = (REASON_HEADER, DETAIL_HEADER, SCOPE_HEADER, KEY_HEADER, *
 # large once our headers were added): why. Replay skips such a dead letter
 # (dedupe.operations.replay).
 BODY_DROPPED_HEADER = "x-dedupe-body-dropped"
+
+
+# A request (RabbitMQ `reply_to`, Kafka `reply-to`) that ends without a result gets a fault
+# reply, and its duplicates the same again: these headers and a small JSON body say so. A
+# successful reply carries none of them (its body is the stored result, as before).
+STATUS_HEADER = "x-dedupe-status"
+FAULT_DETAIL_BYTES = 500
+_INVALID = {Reason.INVALID_PAYLOAD, Reason.INVALID_KEY, Reason.MISSING_KEY, Reason.NO_HANDLER}
+
+
+@dataclass(frozen=True, slots=True)
+class FaultReply:
+    """What a request that failed, was dead-lettered, conflicted or was invalid is told."""
+
+    status: str  # failed | conflict | invalid
+    reason: str
+    detail: str
+
+    def headers(self) -> dict[str, str]:
+        return {STATUS_HEADER: self.status, REASON_HEADER: self.reason}
+
+    def body(self) -> bytes:
+        return json.dumps(
+            {"status": self.status, "reason": self.reason, "detail": self.detail},
+            ensure_ascii=False,
+        ).encode()
+
+
+def fault_reply(settlement: Settlement) -> FaultReply | None:
+    """The fault reply a settlement owes its request, if any: a dead letter, or a duplicate of
+    a key that failed for good."""
+    if settlement.action is Action.DEAD_LETTER and settlement.reason is not None:
+        reason, detail = settlement.reason, settlement.detail or ""
+    elif settlement.failed_reason is not None:
+        reason, detail = settlement.failed_reason, settlement.detail or ""
+    else:
+        return None
+    if reason is Reason.KEY_CONFLICT:
+        status = "conflict"
+    elif reason in _INVALID:
+        status = "invalid"
+    else:
+        status = "failed"
+    return FaultReply(status, str(reason), storable_text(detail, FAULT_DETAIL_BYTES))
 
 
 def dlq_name(channel: str) -> str:

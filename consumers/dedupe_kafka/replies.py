@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
@@ -50,8 +50,15 @@ class Replies:
         self._producer = producer
         self.timeout_s = timeout_s
 
-    async def send(self, record: ConsumerRecord, result: str, closing: Callable[[], bool]) -> bool:
-        """Answer the record with `result`; True when done (or when it asks for no reply).
+    async def send(
+        self,
+        record: ConsumerRecord,
+        result: str | bytes,
+        closing: Callable[[], bool],
+        fault_headers: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Answer the record with `result` (with `headers`: a fault reply, see
+        dedupe.transport.FaultReply); True when done (or when it asks for no reply).
 
         False (the partition holds the request and tries again later) when the broker did not
         take the reply; a reply that can never be written is logged and counts as done, as on
@@ -80,6 +87,7 @@ class Replies:
             None,
         )
         reply_headers = [("content-type", b"application/json")]
+        reply_headers += [(name, value.encode()) for name, value in (fault_headers or {}).items()]
         if correlation is not None:
             reply_headers.insert(0, (CORRELATION_ID_HEADER, correlation))
         producer = self._producer()
@@ -88,7 +96,10 @@ class Replies:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await producer.send_and_wait(
-                    topic, value=result.encode(), key=correlation, headers=reply_headers
+                    topic,
+                    value=result.encode() if isinstance(result, str) else result,
+                    key=correlation,
+                    headers=reply_headers,
                 )
         except _NEVER as exc:
             logger.error(

@@ -54,6 +54,9 @@ class Duplicate:
 
     status: str
     result: str | None
+    # A failed key's recorded reason and detail (its requests' fault replies).
+    reason: Reason | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims/records.py
@@ -130,8 +133,10 @@ def verdict_of(claim: Claim) -> Verdict | None:
             claim.error or "",
             Fence(claim.scope, claim.key, claim.row_token),
         )
-    if claim.status in ("completed", "failed"):
+    if claim.status == "completed":
         return Duplicate(claim.status, claim.result)
+    if claim.status == "failed":
+        return Duplicate(claim.status, None, _reason_of(claim.reason), claim.error or "")
     return InFlight()
 
 

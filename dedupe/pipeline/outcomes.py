@@ -107,6 +107,10 @@ class Outcomes:
         handler, message = ticket.handler, ticket.message
         if isinstance(verdict, Duplicate):
             self.stats.duplicates += 1
+            if verdict.reason is not None:  # failed for good: its fault reply again
+                return Settlement(
+                    Action.ACK, duplicate=True, failed_reason=verdict.reason, detail=verdict.error
+                )
             return Settlement(Action.ACK, duplicate=True, result=verdict.result)
         if isinstance(verdict, InFlight):
             delay = min(self._max_defer_s, handler.lease_s / 3 * 2 ** (message.attempt - 1))
