@@ -35,14 +35,14 @@ class Rabbit:
     async def reset(self) -> None:
         import aio_pika
 
-        from dedupe_rabbitmq.topology import declare_channel
+        from dedupe_rabbitmq.topology import declare_channel, delay_queues
 
         connection = await aio_pika.connect(self.url)
         async with connection:
             amqp = await connection.channel()
             for channel in CHANNELS:
                 await declare_channel(amqp, channel)
-                for name in (channel, f"{channel}.dlq", f"{channel}.delay"):
+                for name in (channel, f"{channel}.dlq", *delay_queues(channel)):
                     await (await amqp.get_queue(name)).purge()
 
     async def publish(self, messages: list[tuple[bytes, dict[str, Any], str | None]]) -> None:
@@ -60,12 +60,14 @@ class Rabbit:
         """Messages waiting in both channels (and their delay queues)."""
         import aio_pika
 
+        from dedupe_rabbitmq.topology import delay_queues
+
         connection = await aio_pika.connect(self.url)
         async with connection:
             amqp = await connection.channel()
             total = 0
             for channel in CHANNELS:
-                for name in (channel, f"{channel}.delay"):
+                for name in (channel, *delay_queues(channel)):
                     queue = await amqp.declare_queue(name, passive=True)
                     total += int(queue.declaration_result.message_count or 0)
             return total

@@ -22,7 +22,7 @@ from dedupe_rabbitmq.admin import (
     replay_dead_letters,
 )
 from dedupe_rabbitmq.publisher import RabbitMQPublisher
-from dedupe_rabbitmq.topology import declare_channel, delay_name
+from dedupe_rabbitmq.topology import declare_channel, delay_name, delay_queues
 from dedupe_rabbitmq.transport import RabbitMQTransport
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "RabbitMQTransport",
     "declare_channel",
     "delay_name",
+    "delay_queues",
     "delete_channels",
     "peek_dead_letters",
     "publish",

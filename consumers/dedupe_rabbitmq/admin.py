@@ -12,7 +12,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from dedupe.operations.replay import Release, ReplayPolicy, describe
 from dedupe.transport import dlq_name
-from dedupe_rabbitmq.topology import DEFERRALS_HEADER, copy_of, declare_channel, delay_name
+from dedupe_rabbitmq.topology import DEFERRALS_HEADER, copy_of, declare_channel, delay_queues
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +105,12 @@ async def publish(
 
 
 async def delete_channels(url: str, channels: Iterable[str]) -> int:
-    """Delete each channel's queues (C, C.delay, C.dlq) with whatever they hold.
+    """Delete each channel's queues (C, its delay queues, C.dlq) with whatever they hold.
 
     For tests, benchmarks and operators tidying up channels that are gone; missing queues are
     no error. Returns how many queue names were deleted.
     """
-    names = [n for c in channels for n in (c, delay_name(c), dlq_name(c))]
+    names = [n for c in channels for n in (c, *delay_queues(c), dlq_name(c))]
     connection = await aio_pika.connect(url, timeout=10)
     async with connection:
         amqp = await connection.channel()

@@ -3,7 +3,14 @@
 Topology per channel `C` (all durable, bound to the default exchange by name):
   C          the work queue; rejected messages dead-letter to C.dlq through the default exchange
   C.dlq      dead letters, with the reason in `x-dedupe-reason` / `x-dedupe-detail` headers
-  C.delay    no consumers: deferred messages wait out their per-message TTL, then return to C
+  C.delay.5s, C.delay.30s, C.delay.2m, C.delay.10m, C.delay.1h
+             no consumers: a deferred message waits out its per-message TTL in the smallest
+             bucket whose bound covers its delay, then returns to C. RabbitMQ expires messages
+             only at a queue's head, so one queue for every delay would hold a 5 s deferral
+             behind a 1 h one; per bucket, a message waits at most behind others of its bucket
+             (longer than the bound: the last bucket)
+  C.delay    the single delay queue of earlier versions, still declared so that what waits
+             in it comes back
 
 The transport declares them on its aiormq channel (`declare_queues`), the operators' functions
 and the publisher on aio-pika's (`declare_channel`): one table of queues for both.
@@ -28,15 +35,35 @@ from dedupe.transport import dlq_name
 DEFERRALS_HEADER = "x-dedupe-deferrals"
 
 
-def delay_name(channel: str) -> str:
-    return f"{channel}.delay"
+# (bound in seconds, label): the delay buckets, shortest first.
+DELAY_BUCKETS: tuple[tuple[float, str], ...] = (
+    (5.0, "5s"),
+    (30.0, "30s"),
+    (120.0, "2m"),
+    (600.0, "10m"),
+    (3600.0, "1h"),
+)
+
+
+def delay_name(channel: str, delay_s: float = 0.0) -> str:
+    """The delay queue a deferral of `delay_s` waits in: the smallest bucket that covers it."""
+    label = next((label for bound, label in DELAY_BUCKETS if delay_s <= bound), "1h")
+    return f"{channel}.delay.{label}"
+
+
+def delay_queues(channel: str) -> list[str]:
+    """Every delay queue of a channel: the buckets, then the earlier versions' single one."""
+    return [f"{channel}.delay.{label}" for _, label in DELAY_BUCKETS] + [f"{channel}.delay"]
 
 
 def queues(name: str) -> list[tuple[str, dict[str, Any] | None]]:
     """The channel's queues with their arguments, the work queue last."""
     return [
         (dlq_name(name), None),
-        (delay_name(name), {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name}),
+        *(
+            (delay, {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name})
+            for delay in delay_queues(name)
+        ),
         (name, {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq_name(name)}),
     ]
 

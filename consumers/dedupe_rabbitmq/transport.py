@@ -449,7 +449,7 @@ class RabbitMQTransport(Transport):
                 headers[DEFERRALS_HEADER] = delivery.message.attempt
             delay = max(settlement.delay_s, 0.05)
             later = copy_properties(properties, headers=headers, expiration_s=delay)
-            queue = delay_name(delivery.channel)
+            queue = delay_name(delivery.channel, delay)
             if not await self.copies.copy(frame.body, later, delivery.channel, queue):
                 return await self._give_back(frame, queue)
             await self._ack(frame)

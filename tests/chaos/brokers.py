@@ -24,7 +24,7 @@ class ChaosRabbit(RabbitBroker):
         """Messages of the channel and its delay queue, ready *or delivered but not yet
         acknowledged* (AMQP's queue.declare counts only the ready ones, so a message a worker
         keeps failing to settle would look drained)."""
-        names = {channel, rabbitmq.delay_name(channel)}
+        names = {channel, *rabbitmq.delay_queues(channel)}
         listing = await asyncio.to_thread(
             subprocess.run,
             ["rabbitmqctl", "-q", "list_queues", "name", "messages"],

@@ -66,7 +66,7 @@ class RabbitBroker:
         async with connection:
             amqp = await connection.channel()
             total = 0
-            for name in (channel, rabbitmq.delay_name(channel)):
+            for name in (channel, *rabbitmq.delay_queues(channel)):
                 queue = await amqp.declare_queue(name, passive=True)
                 total += int(queue.declaration_result.message_count or 0)
             return total
