@@ -22,6 +22,7 @@ import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 
 @dataclass(eq=False)
@@ -58,6 +59,20 @@ class FaultProxy:
         self._refuse = False
         self.connections = 0  # accepted so far
         self.resets = 0  # connections reset by cut() or refused
+
+    @classmethod
+    def of_url(cls, url: str) -> FaultProxy:
+        """A proxy to the host and port of a service's URL (postgresql://, amqp://)."""
+        parts = urlsplit(url)
+        assert parts.hostname is not None and parts.port is not None, url
+        return cls(parts.hostname, parts.port)
+
+    def url_for(self, url: str) -> str:
+        """The same URL (credentials, path, query) pointing at this proxy instead."""
+        parts = urlsplit(url)
+        netloc = parts.netloc.rsplit("@", 1)
+        creds = netloc[0] + "@" if len(netloc) == 2 else ""
+        return urlunsplit(parts._replace(netloc=f"{creds}{self.address}"))
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ import signal
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -41,28 +40,15 @@ NETWORK_FAULTS = FAULTS if SIZE > 2000 else min(FAULTS, 3)
 STOP_WITHIN_S = 30.0
 
 
-def _through(url: str, proxy: FaultProxy) -> str:
-    parts = urlsplit(url)
-    netloc = parts.netloc.rsplit("@", 1)
-    creds = netloc[0] + "@" if len(netloc) == 2 else ""
-    return urlunsplit(parts._replace(netloc=f"{creds}{proxy.address}"))
-
-
-def _target(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None, url
-    return parts.hostname, parts.port
-
-
 def slow_path(service: str) -> Fault:
     """Every worker through a proxy adding LATENCY_S each way; kill -9 at random meanwhile."""
     variable = SERVICE_URLS[service]
 
     async def inject(run: Run) -> int:
         url = run.workers.env[variable]
-        async with FaultProxy(*_target(url)) as proxy:
+        async with FaultProxy.of_url(url) as proxy:
             proxy.latency(LATENCY_S)
-            run.workers.env[variable] = _through(url, proxy)
+            run.workers.env[variable] = proxy.url_for(url)
             try:
                 kills = await faults.kill_at_random(run)
                 # The drain runs after this returns: the proxy must outlive the workers' use
@@ -87,8 +73,8 @@ def one_workers_path(service: str, kind: str) -> Fault:
     async def inject(run: Run) -> int:
         url = run.workers.env[variable]
         injected = 0
-        async with FaultProxy(*_target(url)) as proxy:
-            victim = run.workers.start(**{variable: _through(url, proxy)})
+        async with FaultProxy.of_url(url) as proxy:
+            victim = run.workers.start(**{variable: proxy.url_for(url)})
             try:
                 async for _ in run.milestones():
                     if victim.poll() is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -43,13 +43,6 @@ async def _round_trip(port: int, payload: bytes = b"ping") -> float:
         return time.monotonic() - began
     finally:
         writer.close()
-
-
-def _through(url: str, proxy: FaultProxy) -> str:
-    parts = urlsplit(url)
-    netloc = parts.netloc.rsplit("@", 1)
-    creds = netloc[0] + "@" if len(netloc) == 2 else ""
-    return urlunsplit(parts._replace(netloc=f"{creds}{proxy.address}"))
 
 
 async def test_forwards_in_order_and_adds_latency_each_way(echo: int) -> None:
@@ -101,7 +94,7 @@ async def test_postgresql_through_the_proxy_latency_stall_and_cut(db_url: str) -
     (only a client-side timeout ends the wait); a cut ends the connection with an error."""
     target = urlsplit(db_url)
     async with FaultProxy(target.hostname or "127.0.0.1", target.port or 5432) as proxy:
-        conn = await asyncpg.connect(_through(db_url, proxy), ssl=False, timeout=10)
+        conn = await asyncpg.connect(proxy.url_for(db_url), ssl=False, timeout=10)
         try:
             assert await conn.fetchval("SELECT 1") == 1
             proxy.latency(0.005)
@@ -117,7 +110,7 @@ async def test_postgresql_through_the_proxy_latency_stall_and_cut(db_url: str) -
             proxy.cut()
         finally:
             conn.terminate()
-        conn = await asyncpg.connect(_through(db_url, proxy), ssl=False, timeout=10)
+        conn = await asyncpg.connect(proxy.url_for(db_url), ssl=False, timeout=10)
         try:
             proxy.cut()
             with pytest.raises((asyncpg.PostgresConnectionError, ConnectionError, OSError)):

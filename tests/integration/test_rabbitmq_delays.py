@@ -4,13 +4,10 @@ with the single `C.delay` of before, a 1 s deferral behind a 1 h one waited the 
 
 from __future__ import annotations
 
-import aiormq
-
 from dedupe.transport import Action, Settlement
-from dedupe_rabbitmq.topology import declare_queues, delay_name, delay_queues
-from dedupe_rabbitmq.transport import RabbitDelivery, RabbitMQTransport
+from dedupe_rabbitmq.topology import delay_name, delay_queues
 from tests.conftest import eventually
-from tests.integration.test_rabbitmq_unroutable import body, queued, send
+from tests.integration.test_rabbitmq_unroutable import body, fetched, queued
 
 
 def test_a_delay_waits_in_the_smallest_bucket_that_covers_it() -> None:
@@ -22,18 +19,8 @@ def test_a_delay_waits_in_the_smallest_bucket_that_covers_it() -> None:
 
 
 async def test_a_short_deferral_is_not_held_behind_a_long_one(amqp_url: str, channel: str) -> None:
-    transport = RabbitMQTransport(amqp_url)
-    connection = await aiormq.connect(amqp_url)
-    try:
-        await transport.connect()
-        amqp = await connection.channel()
-        await declare_queues(amqp, channel)
-        await send(amqp_url, channel, (body(1), "long", {}), (body(2), "short", {}))
-        deliveries = []
-        for _ in range(2):
-            frame = await amqp.basic_get(channel, no_ack=False, timeout=5)
-            deliveries.append(RabbitDelivery(transport, channel, frame))
-        long, short = deliveries
+    messages = [(body(1), "long", {}), (body(2), "short", {})]
+    async with fetched(amqp_url, channel, *messages) as (amqp, (long, short)):
         assert await long.settle(Settlement(Action.DEFER, delay_s=3600, detail="later"))
         assert await short.settle(Settlement(Action.DEFER, delay_s=0.5, detail="soon"))
 
@@ -44,6 +31,3 @@ async def test_a_short_deferral_is_not_held_behind_a_long_one(amqp_url: str, cha
         frame = await amqp.basic_get(channel, no_ack=True, timeout=5)
         assert frame.header.properties.message_id == "short"
         assert await queued(amqp_url, delay_name(channel, 3600)) == 1
-    finally:
-        await transport.close()
-        await connection.close()

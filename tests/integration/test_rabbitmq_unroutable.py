@@ -5,10 +5,12 @@ and sends the copy once more; if that fails too, the original goes back to its q
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
@@ -69,6 +71,29 @@ async def send(amqp_url: str, channel: str, *messages: tuple[bytes, str, dict[st
                 aio_pika.Message(payload, message_id=message_id, headers=headers),
                 routing_key=channel,
             )
+
+
+@contextlib.asynccontextmanager
+async def fetched(
+    amqp_url: str, channel: str, *messages: tuple[bytes, str, dict[str, Any]]
+) -> AsyncIterator[tuple[aiormq.abc.AbstractChannel, list[RabbitDelivery]]]:
+    """The channel's queues declared, `messages` sent and fetched (unacked) as deliveries of a
+    connected transport, to be settled by the test; an AMQP channel of the test's own."""
+    transport = RabbitMQTransport(amqp_url)
+    connection = await aiormq.connect(amqp_url)
+    try:
+        await transport.connect()
+        amqp = await connection.channel()
+        await declare_queues(amqp, channel)
+        await send(amqp_url, channel, *messages)
+        deliveries = []
+        for _ in messages:
+            frame = await amqp.basic_get(channel, no_ack=False, timeout=5)
+            deliveries.append(RabbitDelivery(transport, channel, frame))
+        yield amqp, deliveries
+    finally:
+        await transport.close()
+        await connection.close()
 
 
 async def queued(amqp_url: str, name: str) -> int:
@@ -148,23 +173,11 @@ async def test_dead_letters_sharing_a_message_id_settled_at_once_all_reach_the_d
 ) -> None:
     """aiormq matches a return to its publish by message id: eight dead letters of one id,
     settled together after <channel>.dlq was deleted, all land in the declared-again DLQ."""
-    transport = RabbitMQTransport(amqp_url)
-    connection = await aiormq.connect(amqp_url)
-    try:
-        await transport.connect()
-        amqp = await connection.channel()
-        await declare_queues(amqp, channel)
-        await send(amqp_url, channel, *[(body(i), "same-id", {}) for i in range(8)])
-        deliveries = []
-        for _ in range(8):
-            frame = await amqp.basic_get(channel, no_ack=False, timeout=5)
-            deliveries.append(RabbitDelivery(transport, channel, frame))
+    messages = [(body(i), "same-id", {}) for i in range(8)]
+    async with fetched(amqp_url, channel, *messages) as (_, deliveries):
         await delete_queues(amqp_url, dlq_name(channel))
         dead = Settlement(Action.DEAD_LETTER, reason=Reason.REJECTED, detail="not wanted")
         settled = await asyncio.gather(*(d.settle(dead) for d in deliveries))
-    finally:
-        await transport.close()
-        await connection.close()
     assert settled == [True] * 8
     assert await queued(amqp_url, dlq_name(channel)) == 8
     assert await queued(amqp_url, channel) == 0

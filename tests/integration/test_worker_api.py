@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 import pytest
@@ -69,6 +70,24 @@ async def test_a_worker_finds_its_transport_by_the_broker_urls_scheme(
         await asyncio.wait_for(waiting, 5)
 
 
+def slow_worker(broker: Broker, channel: str, database_url: str) -> Worker:
+    """A worker whose handler runs far longer than its shutdown timeout (0.5 s)."""
+    return Worker(
+        effects_app(channel, delay_s=60),
+        transport=broker.transport(),
+        database_url=database_url,
+        broker_url="amqp://ignored.invalid/",
+        shutdown_timeout_s=0.5,
+    )
+
+
+def claimed(db: asyncpg.Connection) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return bool(await db.fetchval("SELECT count(*) FROM dedupe_claims"))
+
+    return check
+
+
 async def test_stopping_is_bounded_by_the_shutdown_timeout(
     broker: Broker, channel: str, db_url: str, db: asyncpg.Connection
 ) -> None:
@@ -76,19 +95,9 @@ async def test_stopping_is_bounded_by_the_shutdown_timeout(
     handed back (claimable at once by the next worker)."""
     await db.execute("CREATE TABLE effects (key text NOT NULL)")
     await broker.publish(channel, [(json.dumps({"n": 1}).encode(), {}, "slow")])
-    worker = Worker(
-        effects_app(channel, delay_s=60),
-        transport=broker.transport(),
-        database_url=db_url,
-        broker_url="amqp://ignored.invalid/",
-        shutdown_timeout_s=0.5,
-    )
+    worker = slow_worker(broker, channel, db_url)
     async with worker:
-
-        async def running() -> bool:
-            return bool(await db.fetchval("SELECT count(*) FROM dedupe_claims"))
-
-        await eventually(running)
+        await eventually(claimed(db))
         began = time.monotonic()
     assert time.monotonic() - began < 5
     row = await db.fetchrow("SELECT status, lease_until <= now() AS free FROM dedupe_claims")
@@ -113,30 +122,14 @@ async def test_stopping_with_the_database_path_stalled_is_bounded(
     under way, and the worker is told to stop: it is done within its shutdown timeout plus the
     store's own bound, not when the network heals (before, it waited on the stalled
     connections' give-back and close for ever)."""
-    from urllib.parse import urlsplit, urlunsplit
-
     from tests.chaos.proxy import FaultProxy
 
     await db.execute("CREATE TABLE effects (key text NOT NULL)")
     await broker.publish(channel, [(json.dumps({"n": 1}).encode(), {}, "slow")])
-    parts = urlsplit(db_url)
-    assert parts.hostname is not None and parts.port is not None
-    async with FaultProxy(parts.hostname, parts.port) as proxy:
-        creds = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
-        through = urlunsplit(parts._replace(netloc=f"{creds}{proxy.address}"))
-        worker = Worker(
-            effects_app(channel, delay_s=60),
-            transport=broker.transport(),
-            database_url=through,
-            broker_url="amqp://ignored.invalid/",
-            shutdown_timeout_s=0.5,
-        )
+    async with FaultProxy.of_url(db_url) as proxy:
+        worker = slow_worker(broker, channel, proxy.url_for(db_url))
         async with worker:
-
-            async def running() -> bool:
-                return bool(await db.fetchval("SELECT count(*) FROM dedupe_claims"))
-
-            await eventually(running)
+            await eventually(claimed(db))
             proxy.stall()
             began = time.monotonic()
             try:
