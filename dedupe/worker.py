@@ -8,8 +8,9 @@
 
 Leaving the block stops gracefully: no new deliveries, claims not yet running are given back
 at once, runs under way get `shutdown_timeout_s`, then their keys are given back too. What
-comes after the runs (the give-backs, the broker's and the database's goodbyes) gets at most
-`STOP_GRACE_S` (12 s) more: a network that swallows packets cannot hold a stopping worker.
+comes after the runs (the give-backs, the broker's and the database's goodbyes) gets
+`STOP_GRACE_S` (12 s); then the pool's connections are dropped and what still waits gets
+12 s more: a network that swallows packets cannot hold a stopping worker.
 `dedupe-worker run` is this, plus signal handling, metrics and the progress line.
 """
 
@@ -139,8 +140,6 @@ class Worker:
         self._processor: Processor | None = None
         self._serving: asyncio.Task[None] | None = None
         self._pool: asyncpg.Pool | None = None
-        self._closing_bound: asyncio.Timeout | None = None
-        self._cut = False
         self._stop = asyncio.Event()
         self._stopped = False
         self._resources = contextlib.AsyncExitStack()
@@ -251,7 +250,8 @@ class Worker:
         # The runs get `limit`; the give-backs and goodbyes after them STOP_GRACE_S. Past both,
         # a path that neither answers nor closes is cut here: the pool's connections are
         # dropped, so whatever still waits on them fails at once and the stop goes on.
-        watchdog = loop.call_later(limit + STOP_GRACE_S, self._cut_the_database)
+        cut_at = loop.time() + limit + STOP_GRACE_S
+        watchdog = loop.call_at(cut_at, self._cut_the_database)
         try:
             processor = self._processor
             if processor is not None:
@@ -263,7 +263,8 @@ class Worker:
                 )
                 if not drain.done():  # a second signal: the runs' time is over
                     watchdog.cancel()
-                    watchdog = loop.call_later(STOP_GRACE_S, self._cut_the_database)
+                    cut_at = loop.time() + STOP_GRACE_S
+                    watchdog = loop.call_at(cut_at, self._cut_the_database)
                     drain.cancel()
                     await processor.drain(timeout_s=0)
                 if forced is not None:
@@ -272,11 +273,8 @@ class Worker:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await self._serving
             try:
-                # Once cut, the goodbyes get one more grace; what still waits then is left.
-                async with asyncio.timeout(None) as bound:
-                    if self._cut:
-                        bound.reschedule(loop.time() + STOP_GRACE_S)
-                    self._closing_bound = bound
+                # Past the cut, the goodbyes get one more grace; what still waits then is left.
+                async with asyncio.timeout_at(cut_at + STOP_GRACE_S):
                     await self._resources.aclose()
             except TimeoutError:
                 logger.warning("stopping: the connections' goodbyes did not end; left behind")
@@ -298,10 +296,6 @@ class Worker:
         # the transport's batches still under way are cancelled, their messages redelivered.
         if self._serving is not None and not self._serving.done():
             self._serving.cancel()
-        if self._closing_bound is not None:
-            self._closing_bound.reschedule(asyncio.get_running_loop().time() + STOP_GRACE_S)
-        else:
-            self._cut = True
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
