@@ -121,6 +121,12 @@ def session_options(dsn: str) -> dict[str, Any]:
     return {"target_session_attrs": "read-write"}
 
 
+def connect_options(dsn: str) -> dict[str, Any]:
+    """asyncpg's options for a URL, the same for the pool and for migrate: no TLS to this
+    machine unless asked for, the read-write host of several."""
+    return {**({"ssl": False} if loopback_without_tls(dsn) else {}), **session_options(dsn)}
+
+
 async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
     """Create a pool or raise StoreError that says how to reach the database."""
     try:
@@ -132,8 +138,7 @@ async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> as
             server_settings={"application_name": "dedupe-worker"},
             connection_class=StoreConnection,
             reset=_reset,
-            **({"ssl": False} if loopback_without_tls(dsn) else {}),
-            **session_options(dsn),
+            **connect_options(dsn),
         )
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise StoreError(
@@ -254,7 +259,7 @@ async def migrate(dsn: str, *, up_to: int | None = None) -> list[str]:
     given: a test's database as an older version left it); return the names applied."""
     applied: list[str] = []
     try:
-        conn = await asyncpg.connect(dsn, timeout=10, **session_options(dsn))
+        conn = await asyncpg.connect(dsn, timeout=10, **connect_options(dsn))
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise StoreError(
             f"cannot connect to PostgreSQL at {redact(dsn)}: {exc}. Is it running "
