@@ -105,6 +105,15 @@ def fault_reply(settlement: Settlement) -> FaultReply | None:
     return FaultReply(status, str(reason), storable_text(detail, FAULT_DETAIL_BYTES))
 
 
+def reply_of(settlement: Settlement) -> tuple[bytes, dict[str, str]] | None:
+    """What a request's caller is told, as (body, headers): the stored result (no headers of
+    ours), or the fault reply; None when there is nothing to tell (a deferral, a requeue)."""
+    if settlement.result is not None:
+        return settlement.result.encode(), {}
+    fault = fault_reply(settlement)
+    return None if fault is None else (fault.body(), fault.headers())
+
+
 def dlq_name(channel: str) -> str:
     """The dead-letter queue (RabbitMQ) or topic (Kafka) of a channel."""
     return f"{channel}.dlq"

@@ -18,12 +18,12 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from dedupe.claims.keys import MESSAGE_ID_HEADER
 from dedupe.message import Headers, Message
-from dedupe.transport import Action, Process, Settlement, fault_reply
+from dedupe.transport import Action, Process, Settlement
 
 logger = logging.getLogger(__name__)
 
@@ -154,10 +154,7 @@ class PartitionWork:
         dead_letter: Callable[[ConsumerRecord, Settlement, Callable[[], bool]], Awaitable[bool]],
         pause: Callable[[TopicPartition], None],
         resume: Callable[[TopicPartition], None],
-        reply: Callable[
-            [ConsumerRecord, str | bytes, Callable[[], bool], Mapping[str, str] | None],
-            Awaitable[bool],
-        ]
+        reply: Callable[[ConsumerRecord, Settlement, Callable[[], bool]], Awaitable[bool]]
         | None = None,
         batches_in_flight: int = BATCHES_IN_FLIGHT,
     ) -> None:
@@ -293,46 +290,29 @@ class PartitionWork:
 
     async def settle(self, delivery: KafkaDelivery, settlement: Settlement) -> bool:
         """True when the outcome is final here (acked, or dead letter confirmed)."""
-        if settlement.action is Action.ACK:
-            # A request's reply goes out before its offset is done: one the broker did not
-            # take holds the record, whose next run is a duplicate answered from the store.
-            # A duplicate of a key that failed for good gets its fault reply again.
-            if self._reply is not None:
-                if settlement.result is not None:
-                    replied = await self._reply(
-                        delivery.record, settlement.result, self._is_closing, None
-                    )
-                elif (fault := fault_reply(settlement)) is not None:
-                    replied = await self._reply(
-                        delivery.record, fault.body(), self._is_closing, fault.headers()
-                    )
-                else:
-                    replied = True
-                if not replied:
-                    self._hold_with_backoff(delivery)
-                    return False
-            self._final(delivery)
-            return True
         if settlement.action is Action.DEAD_LETTER:
             # Done only once the dead letter is on the broker; otherwise the offset stays and
             # the message runs again later (its failed claim sends the dead letter again).
-            if await self._dead_letter(delivery.record, settlement, self._is_closing):
-                # The fault reply is told once, best effort: the dead letter is the record, and
-                # a caller that retries gets the reply again as a duplicate's.
-                if self._reply is not None and (fault := fault_reply(settlement)) is not None:
-                    await self._reply(
-                        delivery.record, fault.body(), self._is_closing, fault.headers()
-                    )
-                self._final(delivery)
-                return True
+            if not await self._dead_letter(delivery.record, settlement, self._is_closing):
+                self._hold_with_backoff(delivery)
+                return False
+        elif settlement.action is not Action.ACK:
+            if self.closing:
+                # Stopping or revoked: not committed past, so the next owner reads it again.
+                logger.debug("%s offset %d left to the next owner", self.tp, delivery.offset)
+            else:
+                self._hold(delivery, settlement.delay_s)
+            return False
+        # A request's reply (its stored result, or a fault reply: dead-lettered, or a duplicate
+        # of a key that failed for good) goes out before its offset is done: one the broker
+        # did not take holds the record, whose next run answers it again from the store.
+        if self._reply is not None and not await self._reply(
+            delivery.record, settlement, self._is_closing
+        ):
             self._hold_with_backoff(delivery)
             return False
-        if self.closing:
-            # Stopping or revoked: not committed past, so the next owner reads it again.
-            logger.debug("%s offset %d left to the next owner", self.tp, delivery.offset)
-        else:
-            self._hold(delivery, settlement.delay_s)
-        return False
+        self._final(delivery)
+        return True
 
     def unsettled(self, delivery: KafkaDelivery) -> None:
         """Settling failed: hold the message to run again, unless its outcome is final."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
@@ -24,6 +24,7 @@ from aiokafka.errors import (
 from aiokafka.structs import ConsumerRecord
 
 from dedupe.message import Headers
+from dedupe.transport import Settlement, reply_of
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,12 @@ class Replies:
     async def send(
         self,
         record: ConsumerRecord,
-        result: str | bytes,
+        settlement: Settlement,
         closing: Callable[[], bool],
-        fault_headers: Mapping[str, str] | None = None,
     ) -> bool:
-        """Answer the record with `result` (with `headers`: a fault reply, see
-        dedupe.transport.FaultReply); True when done (or when it asks for no reply).
+        """Answer the record for its settlement (dedupe.transport.reply_of: the stored result
+        or a fault reply); True when done (or when it asks for no reply, or there is nothing
+        to tell).
 
         False (the partition holds the request and tries again later) when the broker did not
         take the reply; a reply that can never be written is logged and counts as done, as on
@@ -68,7 +69,8 @@ class Replies:
             return True  # no reply asked for (the case of most records: skip the headers)
         headers = Headers(dict(record.headers or ()))
         topic = headers.get(REPLY_TO_HEADER)
-        if not topic:
+        reply = reply_of(settlement)
+        if not topic or reply is None:
             return True
         where = f"{record.topic}/{record.partition}/{record.offset}"
         if not _TOPIC_NAME.fullmatch(topic) or topic in (".", ".."):
@@ -87,7 +89,8 @@ class Replies:
             None,
         )
         reply_headers = [("content-type", b"application/json")]
-        reply_headers += [(name, value.encode()) for name, value in (fault_headers or {}).items()]
+        body, ours = reply
+        reply_headers += [(name, value.encode()) for name, value in ours.items()]
         if correlation is not None:
             reply_headers.insert(0, (CORRELATION_ID_HEADER, correlation))
         producer = self._producer()
@@ -97,7 +100,7 @@ class Replies:
             async with asyncio.timeout(self.timeout_s):
                 await producer.send_and_wait(
                     topic,
-                    value=result.encode() if isinstance(result, str) else result,
+                    value=body,
                     key=correlation,
                     headers=reply_headers,
                 )

@@ -137,11 +137,9 @@ class Copies:
                 self.channel = channel
             return channel
 
-    async def reply(
-        self, request: Basic.Properties, result: str | bytes, headers: dict[str, str] | None = None
-    ) -> None:
-        """Replay the stored outcome to a request-reply caller (RPC over RabbitMQ), or, with
-        `headers`, a fault reply (dedupe.transport.FaultReply: status and reason).
+    async def reply(self, request: Basic.Properties, body: bytes, headers: dict[str, str]) -> None:
+        """Replay the stored outcome to a request-reply caller (RPC over RabbitMQ), or a fault
+        reply with its headers (dedupe.transport.reply_of).
 
         The reply queue is the caller's, so it is never declared here. A reply RabbitMQ cannot
         route (the caller's queue is gone) is logged at warning and the request still acked:
@@ -152,9 +150,8 @@ class Copies:
             content_type="application/json",
             correlation_id=request.correlation_id,
             delivery_mode=1,
-            headers=dict(headers) if headers else None,
+            headers=dict(headers) or None,
         )
-        body = result.encode() if isinstance(result, str) else result
         try:
             await self._publish(body, reply, request.reply_to)
         except DeliveryError as exc:

@@ -35,7 +35,7 @@ from dedupe.transport import (
     Transport,
     dead_letter_headers,
     dlq_name,
-    fault_reply,
+    reply_of,
 )
 from dedupe_rabbitmq.acks import Acks
 from dedupe_rabbitmq.copies import Copies
@@ -412,11 +412,8 @@ class RabbitMQTransport(Transport):
         # redelivery sends them.
         self._usable(frame)
         if settlement.action is Action.ACK:
-            if properties.reply_to:
-                if settlement.result is not None:
-                    await self.copies.reply(properties, settlement.result)
-                elif (fault := fault_reply(settlement)) is not None:
-                    await self.copies.reply(properties, fault.body(), fault.headers())
+            if properties.reply_to and (reply := reply_of(settlement)) is not None:
+                await self.copies.reply(properties, *reply)
             await self._ack(frame)
         elif settlement.action is Action.DEAD_LETTER:
             headers: dict[str, Any] = dict(properties.headers or {})
@@ -425,8 +422,8 @@ class RabbitMQTransport(Transport):
             dlq = dlq_name(delivery.channel)
             if not await self.copies.copy(frame.body, dead_letter, delivery.channel, dlq):
                 return await self._give_back(frame, dlq)
-            if properties.reply_to and (fault := fault_reply(settlement)) is not None:
-                await self.copies.reply(properties, fault.body(), fault.headers())
+            if properties.reply_to and (reply := reply_of(settlement)) is not None:
+                await self.copies.reply(properties, *reply)
             await self._ack(frame)
             logger.warning(
                 "dead-lettered a message from %s to %s: %s (%s)",

@@ -306,11 +306,9 @@ async def test_a_reply_the_broker_refused_holds_the_request_and_tries_again_with
     sent: list[tuple[int, str]] = []
     written = [False]
 
-    async def reply(
-        record: Record, result: str | bytes, closing: Callable[[], bool], fault: object
-    ) -> bool:
-        assert isinstance(result, str) and fault is None
-        sent.append((record.offset, result))
+    async def reply(record: Record, settlement: Settlement, closing: Callable[[], bool]) -> bool:
+        assert settlement.result is not None
+        sent.append((record.offset, settlement.result))
         return written[0] or record.offset != 0
 
     h.work._reply = reply

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dedupe.transport import Action, Settlement
 from dedupe_kafka.replies import Replies
 from tests.unit.test_kafka_partition import Record
 
@@ -23,7 +24,7 @@ async def test_a_null_correlation_id_header_is_no_correlation_id() -> None:
     producer = Producer()
     replies = Replies(lambda: producer)  # type: ignore[arg-type,return-value]
     record = Record(0, headers=(("reply-to", b"answers"), ("correlation-id", None)))  # type: ignore[arg-type]
-    assert await replies.send(record, '{"ok": true}', lambda: False)
+    assert await replies.send(record, Settlement(Action.ACK, result='{"ok": true}'), lambda: False)
     (sent,) = producer.sent
     assert sent["topic"] == "answers" and sent["key"] is None
     assert sent["headers"] == [("content-type", b"application/json")]
@@ -32,6 +33,7 @@ async def test_a_null_correlation_id_header_is_no_correlation_id() -> None:
 async def test_a_record_asking_no_reply_sends_nothing() -> None:
     producer = Producer()
     replies = Replies(lambda: producer)  # type: ignore[arg-type,return-value]
-    assert await replies.send(Record(0, headers=(("message-id", b"m"),)), "{}", lambda: False)
-    assert await replies.send(Record(1), "{}", lambda: False)
+    done = Settlement(Action.ACK, result="{}")
+    assert await replies.send(Record(0, headers=(("message-id", b"m"),)), done, lambda: False)
+    assert await replies.send(Record(1), done, lambda: False)
     assert producer.sent == []
