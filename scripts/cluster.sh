@@ -318,6 +318,9 @@ kafka_pid() {  # kafka_pid <id>: the broker's pid, if it runs
 kafka_healthy() {
   local id
   for id in 1 2 3; do kafka_pid "$id" >/dev/null || return 1; done
+  # Every broker listening: a quorum of two answers the check below while the third node is
+  # still starting, and a client bootstrapping from that node is refused.
+  for id in 0 1 2; do port_open "${KAFKA_PORTS[$id]}" || return 1; done
   # Every broker registered and unfenced: the metadata quorum lists three voters with a leader.
   local out
   out="$(kafka_tool 40 org.apache.kafka.tools.MetadataQuorumCommand \
