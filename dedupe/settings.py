@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = Field(30.0, ge=0)
     connect_timeout_s: float = Field(60.0, ge=0)
     gc_interval_s: float = Field(300.0, ge=0)
+    park_after_s: float = Field(5.0, ge=0)
     stats_interval_s: float = Field(10.0, ge=0)
     worker_name: str = Field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     log_level: str = "INFO"

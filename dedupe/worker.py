@@ -188,6 +188,7 @@ class Worker:
                     store,
                     concurrency=settings.concurrency,
                     gc_interval_s=settings.gc_interval_s or None,
+                    park_after_s=settings.park_after_s,
                     observers=observers,
                     publisher=self._publisher,
                 )

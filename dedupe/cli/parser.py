@@ -101,6 +101,13 @@ def _add_run(sub: Commands) -> None:
         help="period of the clean-up of expired claims, 0 = off [DEDUPE_GC_INTERVAL_S; 300]",
     )
     run.add_argument(
+        "--park-after-s",
+        type=float,
+        metavar="SECONDS",
+        help="a retry waiting at least this long goes through the broker, the key given back; "
+        "a shorter one waits in the worker [DEDUPE_PARK_AFTER_S; 5]",
+    )
+    run.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",

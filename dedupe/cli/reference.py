@@ -34,6 +34,11 @@ MEANING = {
         "period of the workers' clean-up of expired claims and sent outbox rows; "
         "0 = off (schedule `dedupe-worker gc`)"
     ),
+    "park_after_s": (
+        "a retry delay or backoff at least this long goes through the broker (the key given "
+        "back, a delay queue or retry topic carries the message); a shorter one waits in the "
+        "worker with its lease"
+    ),
     "stats_interval_s": "period of the worker's progress log line; 0 = off",
     "worker_name": "owner written on claims (shows in `claims list` and the status page)",
     "log_level": "DEBUG, INFO, WARNING or ERROR (DEBUG adds one line per message)",

@@ -90,6 +90,7 @@ class Processor:
         concurrency: int = 32,
         gc_interval_s: float | None = 300.0,
         max_defer_s: float = 30.0,
+        park_after_s: float = 5.0,
         heartbeat_s: float | None = None,
         observers: Sequence[Observer] = (),
         publisher: Publisher | None = None,
@@ -102,7 +103,13 @@ class Processor:
         self.leases = Leases(store)
         self.outcomes = Outcomes(store, self.stats, self.observer, max_defer_s=max_defer_s)
         self.runner = Runner(
-            app, store, self.leases, self.stats, self.observer, concurrency=concurrency
+            app,
+            store,
+            self.leases,
+            self.stats,
+            self.observer,
+            concurrency=concurrency,
+            park_after_s=park_after_s,
         )
         # First deliveries of one_transaction=True handlers, within the same concurrency.
         self.one_transaction = onetx.OneTransaction(

@@ -77,8 +77,12 @@ class Runner:
         observer: Observer,
         *,
         concurrency: int,
+        park_after_s: float = 5.0,
     ) -> None:
         self.store = store
+        # A retry that waits at least this long goes through the broker (parked), the key
+        # given back; a shorter one waits here, the lease held (heartbeats go on).
+        self.park_after_s = park_after_s
         self.leases = leases
         self.stats = stats
         self.observer = observer
@@ -146,17 +150,18 @@ class Runner:
         this frame: every frame between a run and its runner task costs at each resume.
         """
         handler, message, fence = ticket.handler, ticket.message, lease.fence
-        number = 0
         try:
             while True:
-                number += 1
                 try:
                     result = await self._attempt(ticket, payload, lease)
                     break
                 except Exception as exc:
                     if not transient(handler, exc) or lease.attempt >= handler.max_attempts:
                         raise
-                    await self._before_retry(handler, message, lease, number, exc)
+                    delay = _retry_delay(handler, lease.attempt, exc)
+                    if delay >= self.park_after_s:
+                        return await self._park(handler, message, lease, delay, exc)
+                    await self._before_retry(handler, message, lease, delay, exc)
         except LeaseLost:
             self.stats.lease_lost += 1
             return lease_lost(handler)
@@ -178,20 +183,10 @@ class Runner:
         return Settlement(Action.ACK, result=result)
 
     async def _before_retry(
-        self, handler: Handler, message: Message, lease: Lease, number: int, exc: Exception
+        self, handler: Handler, message: Message, lease: Lease, delay: float, exc: Exception
     ) -> None:
-        """Record the failed attempt (fenced), then wait out the backoff before the next."""
+        """Record the failed attempt (fenced), then wait out the short delay before the next."""
         self.stats.retried += 1
-        if isinstance(exc, Retry) and exc.delay_s is not None:
-            delay = float(exc.delay_s)
-        else:
-            state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
-            state.attempt_number = number
-            state.set_exception((type(exc), exc, exc.__traceback__))
-            backoff = wait_exponential_jitter(
-                multiplier=handler.backoff_s, max=handler.max_backoff_s, jitter=handler.backoff_s
-            )
-            delay = float(backoff(state))
         _log(handler, message, lease).warning(
             "attempt %d of %d failed (%s); retrying",
             lease.attempt,
@@ -205,6 +200,47 @@ class Runner:
             raise LeaseLost()
         lease.attempt = attempt  # the lines of the next attempt carry its number
         await asyncio.sleep(delay)
+
+    async def _park(
+        self, handler: Handler, message: Message, lease: Lease, delay: float, exc: Exception
+    ) -> Settlement:
+        """A retry that would wait `delay` (at least park_after_s) goes through the broker.
+
+        The failed attempt stays counted on the claim; the key is given back at once (marked
+        handed back, as at a graceful stop: its next run is counted at its start and need not
+        run alone), and the message is deferred by `delay` (RabbitMQ: a delay queue; Kafka: a
+        retry topic). Nothing is held meanwhile: no lease, no slot, no sleeping task. A copy
+        of the key delivered sooner may take it and run it; the parked one then finds it
+        finished (a duplicate) or counts one more attempt.
+        """
+        self.stats.retried += 1
+        _log(handler, message, lease).warning(
+            "attempt %d of %d failed (%s); retrying in %.3g s through the broker",
+            lease.attempt,
+            handler.max_attempts,
+            describe(exc),
+            delay,
+        )
+        self.leases.forget(lease)  # no heartbeat extends the lease from now on
+        try:
+            ours = await self.store.give_back(lease.fence, handed_back=True)
+        except StoreError as exc_store:
+            # The lease lapses on its own: the parked copy meets it, waits, then takes it over.
+            logger.warning(
+                "could not give back %s/%s before parking it: %s",
+                lease.fence.scope,
+                lease.fence.key,
+                exc_store,
+            )
+            ours = True
+        if not ours:  # taken over meanwhile: the new owner's outcome decides
+            self.stats.lease_lost += 1
+            return lease_lost(handler)
+        return Settlement(
+            Action.DEFER,
+            delay_s=delay,
+            detail=f"retry parked after attempt {lease.attempt}: {describe(exc)}",
+        )
 
     async def _attempt(self, ticket: Ticket, payload: Any, lease: Lease) -> str | Pending:
         """One run of the handler, then its completion, atomically with its ctx.db writes.
@@ -361,6 +397,21 @@ class Runner:
             self.stats.lease_lost += 1
             return lease_lost(handler)
         return dead_letter(reason, detail, fence, failed_claim=True)
+
+
+def _retry_delay(handler: Handler, failed: int, exc: Exception) -> float:
+    """The wait before the next attempt: Retry(delay_s=...) as asked, otherwise the handler's
+    exponential backoff with jitter after attempt number `failed` (tenacity's schedule). The
+    number is the claim's count, so the backoff keeps growing across parked retries."""
+    if isinstance(exc, Retry) and exc.delay_s is not None:
+        return float(exc.delay_s)
+    state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
+    state.attempt_number = failed
+    state.set_exception((type(exc), exc, exc.__traceback__))
+    backoff = wait_exponential_jitter(
+        multiplier=handler.backoff_s, max=handler.max_backoff_s, jitter=handler.backoff_s
+    )
+    return float(backoff(state))
 
 
 def _lose(lease: Lease) -> None:
