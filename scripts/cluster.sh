@@ -4,6 +4,10 @@
 #
 #   scripts/cluster.sh [up|down|status|reset] [postgres] [rabbitmq] [kafka]
 #   scripts/cluster.sh pg-sync on|off        the standby synchronous (default) or asynchronous
+#   scripts/cluster.sh pg-failover [LAG_S]   kill -9 every process of the primary, promote the
+#                                            standby (the next `up postgres` rebuilds the pair);
+#                                            LAG_S: the primary's WAL sender frozen that long
+#                                            first (what it held back is lost unless synchronous)
 #
 #   PostgreSQL  primary  postgresql://dedupe:dedupe@127.0.0.1:5442/dedupe   (cluster 15/dedupe_primary)
 #               standby  127.0.0.1:5443, streaming from the primary         (cluster 15/dedupe_standby)
@@ -63,7 +67,7 @@ now() { date +%s; }
 . "$ROOT/scripts/lib/process.sh"
 
 usage() {
-  sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -188,6 +192,41 @@ pg_down() {
 }
 
 pg_status() { pg_healthy; }
+
+pg_failover() {  # the primary dies as a machine would (SIGKILL, no shutdown); the standby is promoted
+  pg_exists "$PG_PRIMARY" && pg_exists "$PG_STANDBY" || die "no primary and standby to fail over; run: $0 up postgres"
+  pg_in_recovery || die "the standby $PG_STANDBY is not in recovery (failed over already?); run: $0 up postgres"
+  local data="/var/lib/postgresql/$PG_VERSION/$PG_PRIMARY" pid
+  pid="$(head -1 "$data/postmaster.pid" 2>/dev/null || true)"
+  [ -n "$pid" ] || die "the primary $PG_PRIMARY is not running"
+  local lag="${1:-0}" sender=""
+  if [ "$lag" != 0 ]; then
+    # A standby that lags: the primary's WAL sender frozen (SIGSTOP; frozen on the standby's
+    # side instead, what was sent would wait in its socket and arrive after all), the primary
+    # goes on committing (an asynchronous standby does not hold its commits), then it dies.
+    sender="$(pgrep -f "$PG_VERSION/$PG_PRIMARY: walsender" | head -1 || true)"
+    [ -n "$sender" ] || die "the primary has no WAL sender to freeze"
+    kill -STOP "$sender"
+    log "postgres: the primary's WAL sender frozen for ${lag}s"
+    sleep "$lag"
+  fi
+  # The postmaster and every backend at once: their titles carry the cluster's name.
+  kill -9 "$pid" 2>/dev/null || true
+  pkill -9 -f "$PG_VERSION/$PG_PRIMARY" 2>/dev/null || true
+  local deadline=$(( $(now) + 30 ))
+  while pgrep -f "$PG_VERSION/$PG_PRIMARY" >/dev/null 2>&1; do
+    [ "$(now)" -lt "$deadline" ] || die "the primary's processes did not die within 30 s"
+    sleep 0.1
+  done
+  log "postgres: primary $PG_PRIMARY killed (kill -9)"
+  pg_ctl "$PG_STANDBY" promote
+  deadline=$(( $(now) + 60 ))
+  until [ "$(pg_sql "$PG_STANDBY_PORT" 'SELECT pg_is_in_recovery()' 2>/dev/null)" = f ]; do
+    [ "$(now)" -lt "$deadline" ] || die "the standby was not promoted within 60 s"
+    sleep 0.1
+  done
+  log "postgres: standby $PG_STANDBY promoted (primary on :$PG_STANDBY_PORT)"
+}
 
 # ----------------------------------------------------------------------------------------------
 # RabbitMQ: three nodes, one cluster
@@ -436,6 +475,7 @@ case "$cmd" in
   -h | --help | help) usage; exit 0 ;;
   pg-sync)
     case "${1:-}" in on | off) pg_sync "$1"; exit 0 ;; *) die "pg-sync takes on or off" ;; esac ;;
+  pg-failover) pg_failover "${1:-0}"; exit 0 ;;
   up | down | status | reset) ;;
   *) usage >&2; die "unknown command '$cmd'" ;;
 esac

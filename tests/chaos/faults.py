@@ -194,3 +194,22 @@ async def terminate_backends(run: Run) -> int:
             await asyncio.sleep(0.1)
         rounds += 1
     return rounds
+
+
+CLUSTER = str(Path(__file__).resolve().parents[2] / "scripts" / "cluster.sh")
+
+
+def fail_over_postgres(*, lag_s: float = 0.0) -> Fault:
+    """Kill -9 the PostgreSQL primary of scripts/cluster.sh (every process at once, as a machine
+    dies) and promote its standby; the workers' URL lists both hosts with
+    target_session_attrs=read-write, so their next connections find the new primary. `lag_s`:
+    the standby's WAL receiver is frozen that long before the kill (a standby that lags)."""
+
+    async def fault(run: Run) -> int:
+        failovers = 0
+        async for _ in run.milestones():
+            await _command("bash", CLUSTER, "pg-failover", str(lag_s))()
+            failovers += 1
+        return failovers
+
+    return fault
