@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tenacity import RetryCallState, wait_exponential_jitter
+
 from dedupe.claims.values import storable_error
 from dedupe.errors import DedupeError, Retry
 
@@ -27,4 +29,19 @@ def transient(handler: Handler, exc: BaseException) -> bool:
     return isinstance(exc, handler.retry_on) and not isinstance(exc, DedupeError)
 
 
-__all__ = ["describe", "transient"]
+def retry_delay(handler: Handler, failed: int, exc: BaseException) -> float:
+    """The wait before the next attempt: Retry(delay_s=...) as asked, otherwise the handler's
+    exponential backoff with jitter after attempt number `failed` (tenacity's schedule). The
+    number is the claim's count, so the backoff keeps growing across parked retries."""
+    if isinstance(exc, Retry) and exc.delay_s is not None:
+        return float(exc.delay_s)
+    state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
+    state.attempt_number = failed
+    state.set_exception((type(exc), exc, exc.__traceback__))
+    backoff = wait_exponential_jitter(
+        multiplier=handler.backoff_s, max=handler.max_backoff_s, jitter=handler.backoff_s
+    )
+    return float(backoff(state))
+
+
+__all__ = ["describe", "retry_delay", "transient"]

@@ -55,7 +55,7 @@ from dedupe.context import Context
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import DedupeError, InvalidPayload, StoreError
 from dedupe.message import Message
-from dedupe.pipeline.failures import describe
+from dedupe.pipeline.failures import describe, retry_delay, transient
 from dedupe.pipeline.group_commit import TAINTED, LaneDatabase
 from dedupe.pipeline.hooks import Hooks
 from dedupe.pipeline.observers import Observer
@@ -151,8 +151,10 @@ class OneTransaction:
         hooks: Hooks,
         slots: asyncio.Semaphore,
         stopping: Callable[[], bool] = lambda: False,
+        park_after_s: float = 5.0,
     ) -> None:
         self.store = store
+        self.park_after_s = park_after_s
         self.stats = stats
         self.observer = observer
         self.hooks = hooks
@@ -305,14 +307,24 @@ class OneTransaction:
                 return REQUEUE_INTERNAL
         return Settlement(Action.ACK, result=result)
 
-    async def _count_failure(self, ticket: Ticket, error: BaseException) -> str:
-        """Commit the failed attempt on its own; the two-commit path runs the message next."""
+    async def _count_failure(self, ticket: Ticket, error: BaseException) -> Settlement | str:
+        """Commit the failed attempt on its own. The two-commit path runs the message next, at
+        once; a retry that asks to wait at least park_after_s (Retry(delay_s), or the backoff
+        after attempt 1) is parked instead: deferred through the broker, as the two-commit
+        path parks its own (the claim left by first_attempt_failed is handed back already)."""
         handler, request = ticket.handler, ticket.request
+        delay = 0.0
+        if handler.max_attempts > 1 and transient(handler, error):
+            delay = retry_delay(handler, 1, error)
+        parked = delay >= self.park_after_s
         logger.warning(
-            "%s: attempt 1 of %d failed in one transaction (%s); retrying on the two-commit path",
+            "%s: attempt 1 of %d failed in one transaction (%s); %s",
             handler.name,
             handler.max_attempts,
             describe(error),
+            f"retrying in {delay:.3g} s through the broker"
+            if parked
+            else "retrying on the two-commit path",
             extra={
                 "handler": handler.name,
                 "scope": request.scope,
@@ -327,6 +339,13 @@ class OneTransaction:
             logger.warning("could not count the failed attempt (%s)", storable_text(str(exc), 200))
             return self._left(STORE)
         self.stats.retried += 1
+        if parked:
+            self.fall_back(FAILED)
+            return Settlement(
+                Action.DEFER,
+                delay_s=delay,
+                detail=f"retry parked after attempt 1: {describe(error)}",
+            )
         return self._left(FAILED)
 
 

@@ -119,6 +119,7 @@ class Processor:
             self.runner.hooks,
             self.runner.slots,
             stopping=lambda: self.runner.stopping,
+            park_after_s=park_after_s,
         )
         # The outbox relay (ctx.publish) runs in every worker that can publish.
         self.relay = Relay(store.pool, publisher) if publisher is not None else None

@@ -12,8 +12,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tenacity import RetryCallState, wait_exponential_jitter
-
 from dedupe.app import App, Handler
 from dedupe.claims.batching import Batcher
 from dedupe.claims.completion import Completion, complete_in_transaction
@@ -26,9 +24,9 @@ from dedupe.context import Context, Database
 from dedupe.effects import outbox
 from dedupe.effects.outbox import Outgoing
 from dedupe.effects.run_effects import RunEffects
-from dedupe.errors import DedupeError, InvalidPayload, LeaseLost, Reject, Retry, StoreError
+from dedupe.errors import DedupeError, InvalidPayload, LeaseLost, Reject, StoreError
 from dedupe.message import Message
-from dedupe.pipeline.failures import describe, transient
+from dedupe.pipeline.failures import describe, retry_delay, transient
 from dedupe.pipeline.group_commit import Lanes, Member, group_commit_lanes
 from dedupe.pipeline.hooks import Hooks
 from dedupe.pipeline.observers import Observer
@@ -158,7 +156,7 @@ class Runner:
                 except Exception as exc:
                     if not transient(handler, exc) or lease.attempt >= handler.max_attempts:
                         raise
-                    delay = _retry_delay(handler, lease.attempt, exc)
+                    delay = retry_delay(handler, lease.attempt, exc)
                     if delay >= self.park_after_s:
                         return await self._park(handler, message, lease, delay, exc)
                     await self._before_retry(handler, message, lease, delay, exc)
@@ -397,21 +395,6 @@ class Runner:
             self.stats.lease_lost += 1
             return lease_lost(handler)
         return dead_letter(reason, detail, fence, failed_claim=True)
-
-
-def _retry_delay(handler: Handler, failed: int, exc: Exception) -> float:
-    """The wait before the next attempt: Retry(delay_s=...) as asked, otherwise the handler's
-    exponential backoff with jitter after attempt number `failed` (tenacity's schedule). The
-    number is the claim's count, so the backoff keeps growing across parked retries."""
-    if isinstance(exc, Retry) and exc.delay_s is not None:
-        return float(exc.delay_s)
-    state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
-    state.attempt_number = failed
-    state.set_exception((type(exc), exc, exc.__traceback__))
-    backoff = wait_exponential_jitter(
-        multiplier=handler.backoff_s, max=handler.max_backoff_s, jitter=handler.backoff_s
-    )
-    return float(backoff(state))
 
 
 def _lose(lease: Lease) -> None:

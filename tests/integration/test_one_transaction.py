@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 from pydantic import BaseModel
 
-from dedupe import App, Context
+from dedupe import App, Context, Retry
 from dedupe.claims.records import ClaimRequest, Fence, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError, InvalidOption
@@ -306,6 +306,40 @@ async def test_a_failing_first_run_counts_its_attempt_and_retries_on_two_commits
     }
     assert samples[("dedupe_one_transaction_runs_total", ())] == 0
     assert samples[("dedupe_one_transaction_fallbacks_total", (("reason", "failed"),))] == 1
+
+
+async def test_a_first_run_that_asks_to_wait_is_parked_not_run_again_at_once(
+    store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """Retry(delay_s=60) in the one transaction: attempt 1 is committed on its own and the
+    message is deferred by 60 s through the broker, its key handed back. Before, the two-commit
+    path ran attempt 2 at once, the asked-for wait ignored."""
+    calls = Calls()
+    app = App("ot")
+
+    @app.handler(CH, one_transaction=True)
+    async def later(payload: Row, ctx: Context) -> int:
+        await ctx.db.execute("INSERT INTO effects VALUES ($1, $2)", ctx.key, payload.n)
+        if calls(ctx.key) == 1:
+            raise Retry("the provider says: in a minute", delay_s=60)
+        return ctx.attempt
+
+    batch = deliveries(1)
+    async with processor(app, store) as worker:
+        await worker.process(CH, batch)
+    [outcome] = batch[0].settlements
+    assert (outcome.action, outcome.delay_s) == (Action.DEFER, 60)
+    assert calls.count == {"k0": 1}
+    row = await effects.fetchrow(
+        "SELECT status, attempts, error, lease_until <= now() AS free FROM dedupe_claims"
+    )
+    assert (row["status"], row["attempts"], row["error"], row["free"]) == (
+        "in_progress",
+        1,
+        "handed back",
+        True,
+    )
+    assert await effects.fetchval("SELECT count(*) FROM effects") == 0
 
 
 async def test_a_poison_message_is_dead_lettered_after_max_attempts_runs_in_all(
