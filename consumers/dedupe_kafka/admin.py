@@ -21,25 +21,28 @@ from dedupe.claims.keys import MESSAGE_ID_HEADER
 from dedupe.message import Headers
 from dedupe.operations.replay import Release, ReplayPolicy, describe
 from dedupe.transport import BODY_DROPPED_HEADER, dlq_name
-from dedupe_kafka.dead_letters import ORIGIN_HEADER
 from dedupe_kafka.options import KafkaOptions
 from dedupe_kafka.publisher import KafkaPublisher, admin_client, publish
+from dedupe_kafka.retries import ORIGIN_HEADER, RETRY_HEADERS, retry_topics
 
 logger = logging.getLogger(__name__)
 
-# The transport adds the origin besides the dead-letter headers; a replay strips both.
-REPLAY = ReplayPolicy(own_headers=(ORIGIN_HEADER,))
+# The transport adds the origin besides the dead-letter headers; a replay strips both (and the
+# retry topics' headers, which a dead letter does not carry).
+REPLAY = ReplayPolicy(own_headers=RETRY_HEADERS)
 
 
 async def delete_channels(url: str, channels: Iterable[str]) -> int:
-    """Delete each channel's topics (C and C.dlq) that exist; returns how many were deleted.
+    """Delete each channel's topics (C, C.dlq and the retry topics C.retry.<bucket>) that
+    exist; returns how many were deleted.
 
     For tests, benchmarks and operators tidying up channels that are gone.
     """
     options = KafkaOptions.from_url(url)
     async with admin_client(options) as admin:
         existing = set(await admin.list_topics())
-        doomed = sorted({n for c in channels for n in (c, dlq_name(c))} & existing)
+        names = {n for c in channels for n in (c, dlq_name(c), *retry_topics(c))}
+        doomed = sorted(names & existing)
         if doomed:
             await admin.delete_topics(doomed)
     return len(doomed)

@@ -104,7 +104,8 @@ class KafkaBroker:
         partitions = kafka.KafkaOptions.from_url(self.url).partitions
         async with asyncio.timeout(timeout_s):
             while True:
-                owned = [w.assignment for w in workers]
+                # The channel's own partitions (a worker is assigned its retry topics' too).
+                owned = [{tp for tp in w.assignment if tp.topic == channel} for w in workers]
                 spread = all(owned) or len(workers) > partitions
                 if spread and sum(len(o) for o in owned) == partitions:
                     return
