@@ -236,13 +236,21 @@ def _describe_dead_letter(record: Any) -> dict[str, Any]:
     }
 
 
-async def backlog(url: str, channel: str, group_id: str) -> int:
-    """Records of `channel` the group has not committed past yet (its lag)."""
+async def backlog(url: str, channel: str, group_id: str, *, with_retry_topics: bool = False) -> int:
+    """Records of `channel` the group has not committed past yet (its lag); with
+    `with_retry_topics`, those of the channel's retry topics too (deferred messages)."""
+    topics = [channel, *retry_topics(channel)] if with_retry_topics else [channel]
     options = KafkaOptions.from_url(url)
     async with admin_client(options) as admin:
-        tps = await partitions_of(admin, channel)
-        if not tps:
+        existing = set(await admin.list_topics())
+        names = [topic for topic in topics if topic in existing]
+        if not names:
             return 0
+        tps = sorted(
+            TopicPartition(described["topic"], p["partition"])
+            for described in await admin.describe_topics(names)
+            for p in described["partitions"]
+        )
         committed = await group_offsets(admin, group_id, tps)
     async with _reader(options) as consumer:
         starts = await consumer.beginning_offsets(tps)
