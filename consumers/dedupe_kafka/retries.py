@@ -21,6 +21,7 @@ back the later records of its key: they run before it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -135,6 +136,9 @@ class Retries:
     """Writes deferred records to their retry topics with the transport's idempotent producer
     (None while it is closed)."""
 
+    # How long a copy may take to be acknowledged before the record is held in memory instead.
+    timeout_s = 10.0
+
     def __init__(self, producer: Callable[[], AIOKafkaProducer | None]) -> None:
         self._producer = producer
         self.sent = 0
@@ -142,9 +146,9 @@ class Retries:
     async def send(self, record: ConsumerRecord, message: Message, settlement: Settlement) -> bool:
         """Copy the record to the retry topic of its delay; True once the broker has it.
 
-        One try: any failure gives False and the partition holds the message in memory as it
-        did before retry topics (nothing is lost; a copy the broker did take although the send
-        reported a failure runs later as a duplicate).
+        One try, bounded by `timeout_s`: any failure gives False and the partition holds the
+        message in memory as it did before retry topics (nothing is lost; a copy the broker did
+        take although the send reported a failure runs later, a duplicate by the claims).
         """
         origin = origin_of(record)
         topic = retry_topic(origin[0], settlement.delay_s)
@@ -155,13 +159,16 @@ class Retries:
         try:
             if producer is None:
                 raise KafkaError("the transport is closed")
-            await producer.send_and_wait(topic, value=record.value, key=record.key, headers=headers)
-        except KafkaError as exc:
+            async with asyncio.timeout(self.timeout_s):
+                await producer.send_and_wait(
+                    topic, value=record.value, key=record.key, headers=headers
+                )
+        except (KafkaError, TimeoutError) as exc:
             logger.warning(
                 "could not write the deferral of %s to %s (%s); holding it in memory",
                 where,
                 topic,
-                exc,
+                exc.__class__.__name__ if isinstance(exc, TimeoutError) else exc,
                 extra={"message_id": message.message_id, "channel": origin[0]},
             )
             return False

@@ -7,6 +7,10 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from dedupe.transport import (
     ACK,
@@ -17,10 +21,11 @@ from dedupe.transport import (
     Settlement,
     delay_bucket,
 )
-from dedupe_kafka.partition import KafkaDelivery, PartitionWork
+from dedupe_kafka.partition import KafkaDelivery, PartitionWork, to_message
 from dedupe_kafka.retries import (
     DUE_AT_HEADER,
     ORIGIN_HEADER,
+    Retries,
     due_at,
     goes_to_retry_topic,
     origin_of,
@@ -257,3 +262,42 @@ async def test_a_waiting_retry_batch_ends_at_once_when_the_partition_is_revoked(
         await r.work.wait_idle()
     assert r.calls == []
     assert r.work.position() == 0  # left to the next owner
+
+
+class Producer:
+    """A stand-in for the idempotent producer: records what it is asked to write."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.sent: list[tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
+
+    async def send_and_wait(
+        self, topic: str, *, value: bytes | None, key: bytes | None, headers: Any
+    ) -> None:
+        if self.error is not None:
+            raise self.error
+        self.sent.append((topic, value, key, headers))
+
+
+async def test_the_writer_copies_the_record_to_its_bucket_with_key_body_and_headers() -> None:
+    producer = Producer()
+    retries = Retries(lambda: producer)  # type: ignore[arg-type, return-value]
+    record = Record(7, b"k", value=b"body", headers=(("message-id", b"m"),))
+    before = time.time()
+    message = to_message(record, attempt=3)
+    assert await retries.send(record, message, Settlement(Action.DEFER, delay_s=6))
+    [(topic, value, key, headers)] = producer.sent
+    assert (topic, value, key) == ("orders.retry.30s", b"body", b"k")
+    named = dict(headers)
+    assert (named["message-id"], named[DEFERRALS_HEADER]) == (b"m", b"3")
+    assert named[ORIGIN_HEADER] == b"orders/0/7"
+    assert before + 6 - 0.001 <= int(named[DUE_AT_HEADER]) / 1000 <= time.time() + 6
+
+
+@pytest.mark.parametrize("error", [KafkaTimeoutError(), KafkaError("refused"), None])
+async def test_a_copy_the_broker_does_not_take_is_not_done(error: Exception | None) -> None:
+    producer = None if error is None else Producer(error)  # None: the transport is closed
+    retries = Retries(lambda: producer)  # type: ignore[arg-type, return-value]
+    record = Record(7, b"k")
+    deferral = Settlement(Action.DEFER, delay_s=6)
+    assert not await retries.send(record, to_message(record), deferral)
