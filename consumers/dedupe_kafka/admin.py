@@ -253,6 +253,9 @@ async def backlog(url: str, channel: str, group_id: str, *, with_retry_topics: b
         )
         committed = await group_offsets(admin, group_id, tps)
     async with _reader(options) as consumer:
+        # Assigned first, the reader learns every topic's leaders in one metadata round (asked
+        # offsets of topics it does not know, aiokafka learns them one topic per 100 ms backoff).
+        consumer.assign(tps)
         starts = await consumer.beginning_offsets(tps)
         ends = await consumer.end_offsets(tps)
     total = 0
