@@ -18,7 +18,8 @@ MEANING = {
     "`.retry.<bucket>` topics) when they do not exist",
     "replication_factor": "replicas of the topics it creates; 0 = min(3, brokers in the cluster)",
     "batch_max": "records per fetch, and per claim statement",
-    "max_held": "deferred messages held in memory per partition before it stops fetching",
+    "max_held": "messages held in memory per partition (deferrals under 5 s, requeues) before "
+    "it stops fetching",
     "batches_in_flight": "fetched batches of one partition processed at once (their claims and "
     "completions overlap); at most max_held / batch_max, at least 1",
     "commit_interval_s": "period of the offset commits",
