@@ -188,3 +188,49 @@ async def test_a_handler_retrying_after_6s_goes_through_the_retry_topic(
         await eventually(retried, timeout_s=15)
     assert runs[2][:3] == ("slow", 2, channel)
     assert runs[2][3] >= began + 6.0
+
+
+async def test_a_copy_that_fails_for_good_is_dead_lettered_to_its_channel(
+    kafka_url: str, channel: str, store: ClaimStore
+) -> None:
+    """Its dead letter goes to `<channel>.dlq`, says the original record is its origin and
+    carries none of the retry headers (a replay must not read it as deferred)."""
+    broker = KafkaBroker(kafka_url, partitions=1)
+    app = App("t")
+
+    @app.handler(channel)
+    async def work(payload: dict[str, int], ctx: Context) -> None: ...
+
+    transport = broker.transport()
+    async with running(app, store, transport) as worker:
+        await broker.ready(channel, transport)
+        producer = await kafka.idempotent_producer(kafka.KafkaOptions.from_url(broker.url))
+        try:
+            await producer.send_and_wait(
+                f"{channel}.retry.30s",
+                value=b"{oops",
+                key=b"m1",
+                headers=[
+                    ("message-id", b"m1"),
+                    ("x-dedupe-deferrals", b"2"),
+                    ("x-dedupe-due-at", str(int(time.time() * 1000)).encode()),
+                    ("x-dedupe-origin", f"{channel}/0/7".encode()),
+                ],
+            )
+        finally:
+            await producer.stop()
+
+        async def dead() -> bool:
+            return sum(worker.stats.dead_lettered.values()) == 1 and not await broker.backlog(
+                channel
+            )
+
+        await eventually(dead, timeout_s=10)
+    [letter] = await broker.dead_letters(channel)
+    assert (letter["reason"], letter["key"], letter["origin"]) == (
+        "invalid_payload",
+        "m1",
+        f"{channel}/0/7",
+    )
+    assert not {"x-dedupe-deferrals", "x-dedupe-due-at"} & set(letter["headers"])
+    assert await end_offset(broker.url, f"{channel}.retry.30s.dlq") == 0
