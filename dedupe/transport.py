@@ -114,6 +114,28 @@ def reply_of(settlement: Settlement) -> tuple[bytes, dict[str, str]] | None:
     return None if fault is None else (fault.body(), fault.headers())
 
 
+# How many times a message was deferred through the broker (its next delivery's attempt is one
+# more): RabbitMQ's delay queues and Kafka's retry topics carry it on the copy they hold.
+DEFERRALS_HEADER = "x-dedupe-deferrals"
+
+# (bound in seconds, label): the delay buckets of deferrals that go through the broker, shortest
+# first (RabbitMQ: a delay queue per bucket; Kafka: a retry topic per bucket). A delay waits in
+# the smallest bucket whose bound covers it; a longer one than the last bound, in the last.
+DELAY_BUCKETS: tuple[tuple[float, str], ...] = (
+    (5.0, "5s"),
+    (30.0, "30s"),
+    (120.0, "2m"),
+    (600.0, "10m"),
+    (3600.0, "1h"),
+)
+
+
+def delay_bucket(delay_s: float) -> tuple[float, str]:
+    """The bucket (bound in seconds, label) a deferral of `delay_s` waits in: the smallest
+    whose bound covers it, else the last."""
+    return next((b for b in DELAY_BUCKETS if delay_s <= b[0]), DELAY_BUCKETS[-1])
+
+
 def dlq_name(channel: str) -> str:
     """The dead-letter queue (RabbitMQ) or topic (Kafka) of a channel."""
     return f"{channel}.dlq"
@@ -174,6 +196,8 @@ __all__ = [
     "ACK",
     "BODY_DROPPED_HEADER",
     "DEAD_LETTER_HEADERS",
+    "DEFERRALS_HEADER",
+    "DELAY_BUCKETS",
     "DETAIL_HEADER",
     "KEY_HEADER",
     "REASON_HEADER",
@@ -185,5 +209,6 @@ __all__ = [
     "Settlement",
     "Transport",
     "dead_letter_headers",
+    "delay_bucket",
     "dlq_name",
 ]

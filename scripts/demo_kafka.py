@@ -80,8 +80,12 @@ class Kafka:
         return Counter(str(letter["reason"]) for letter in letters)
 
     async def backlog(self) -> int:
-        """Records of both channels the workers' group has not committed past yet."""
-        lags = [await kafka.backlog(self.url, c, self.group_id) for c in self.channels]
+        """Records of both channels and their retry topics the workers' group has not committed
+        past yet."""
+        lags = [
+            await kafka.backlog(self.url, c, self.group_id, with_retry_topics=True)
+            for c in self.channels
+        ]
         return sum(lags)
 
 

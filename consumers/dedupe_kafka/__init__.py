@@ -1,6 +1,6 @@
 """The Kafka transport (aiokafka): offsets committed only past messages whose outcome is recorded;
-the idempotent producer and publisher, dead letters, request-reply and the operator client;
-registered as `kafka://`."""
+the idempotent producer and publisher, dead letters, retry topics, request-reply and the operator
+client; registered as `kafka://`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from dedupe_kafka.admin import (
     replay_dead_letters,
     replay_group,
 )
-from dedupe_kafka.dead_letters import ORIGIN_HEADER
 from dedupe_kafka.options import KafkaOptions, group_id_for, with_options
 from dedupe_kafka.publisher import (
     KafkaPublisher,
@@ -31,9 +30,17 @@ from dedupe_kafka.publisher import (
     idempotent_producer,
     publish,
 )
+from dedupe_kafka.retries import (
+    DUE_AT_HEADER,
+    ORIGIN_HEADER,
+    retry_bucket,
+    retry_topic,
+    retry_topics,
+)
 from dedupe_kafka.transport import KafkaTransport
 
 __all__ = [
+    "DUE_AT_HEADER",
     "ORIGIN_HEADER",
     "KafkaAdmin",
     "KafkaOptions",
@@ -51,5 +58,8 @@ __all__ = [
     "publish",
     "replay_dead_letters",
     "replay_group",
+    "retry_bucket",
+    "retry_topic",
+    "retry_topics",
     "with_options",
 ]

@@ -21,25 +21,28 @@ from dedupe.claims.keys import MESSAGE_ID_HEADER
 from dedupe.message import Headers
 from dedupe.operations.replay import Release, ReplayPolicy, describe
 from dedupe.transport import BODY_DROPPED_HEADER, dlq_name
-from dedupe_kafka.dead_letters import ORIGIN_HEADER
 from dedupe_kafka.options import KafkaOptions
 from dedupe_kafka.publisher import KafkaPublisher, admin_client, publish
+from dedupe_kafka.retries import ORIGIN_HEADER, RETRY_HEADERS, retry_topics
 
 logger = logging.getLogger(__name__)
 
-# The transport adds the origin besides the dead-letter headers; a replay strips both.
-REPLAY = ReplayPolicy(own_headers=(ORIGIN_HEADER,))
+# The transport adds the origin besides the dead-letter headers; a replay strips both (and the
+# retry topics' headers, which a dead letter does not carry).
+REPLAY = ReplayPolicy(own_headers=RETRY_HEADERS)
 
 
 async def delete_channels(url: str, channels: Iterable[str]) -> int:
-    """Delete each channel's topics (C and C.dlq) that exist; returns how many were deleted.
+    """Delete each channel's topics (C, C.dlq and the retry topics C.retry.<bucket>) that
+    exist; returns how many were deleted.
 
     For tests, benchmarks and operators tidying up channels that are gone.
     """
     options = KafkaOptions.from_url(url)
     async with admin_client(options) as admin:
         existing = set(await admin.list_topics())
-        doomed = sorted({n for c in channels for n in (c, dlq_name(c))} & existing)
+        names = {n for c in channels for n in (c, dlq_name(c), *retry_topics(c))}
+        doomed = sorted(names & existing)
         if doomed:
             await admin.delete_topics(doomed)
     return len(doomed)
@@ -233,15 +236,26 @@ def _describe_dead_letter(record: Any) -> dict[str, Any]:
     }
 
 
-async def backlog(url: str, channel: str, group_id: str) -> int:
-    """Records of `channel` the group has not committed past yet (its lag)."""
+async def backlog(url: str, channel: str, group_id: str, *, with_retry_topics: bool = False) -> int:
+    """Records of `channel` the group has not committed past yet (its lag); with
+    `with_retry_topics`, those of the channel's retry topics too (deferred messages)."""
+    topics = [channel, *retry_topics(channel)] if with_retry_topics else [channel]
     options = KafkaOptions.from_url(url)
     async with admin_client(options) as admin:
-        tps = await partitions_of(admin, channel)
-        if not tps:
+        existing = set(await admin.list_topics())
+        names = [topic for topic in topics if topic in existing]
+        if not names:
             return 0
+        tps = sorted(
+            TopicPartition(described["topic"], p["partition"])
+            for described in await admin.describe_topics(names)
+            for p in described["partitions"]
+        )
         committed = await group_offsets(admin, group_id, tps)
     async with _reader(options) as consumer:
+        # Assigned first, the reader learns every topic's leaders in one metadata round (asked
+        # offsets of topics it does not know, aiokafka learns them one topic per 100 ms backoff).
+        consumer.assign(tps)
         starts = await consumer.beginning_offsets(tps)
         ends = await consumer.end_offsets(tps)
     total = 0

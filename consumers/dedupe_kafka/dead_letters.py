@@ -1,7 +1,8 @@
-"""Kafka dead letters: a record copied to <topic>.dlq with the reason (body-less if it must be).
+"""Kafka dead letters: a record copied to <channel>.dlq with the reason (body-less if it must be).
 
 A dead letter the broker can never take whole (too large once our headers are added) goes out
-without its body, with a header saying why.
+without its body, with a header saying why. A copy from a retry topic (dedupe_kafka.retries)
+dead-letters to its channel's `.dlq`, with the original record as its origin.
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ from dedupe.transport import (
     dlq_name,
 )
 from dedupe_kafka.publisher import encode_headers
+from dedupe_kafka.retries import ORIGIN_HEADER, RETRY_HEADERS, origin_of
 
 logger = logging.getLogger(__name__)
-
-# Where a dead letter came from: "<topic>/<partition>/<offset>".
-ORIGIN_HEADER = "x-dedupe-origin"
 
 
 class DeadLetters:
@@ -48,20 +47,20 @@ class DeadLetters:
     async def send(
         self, record: ConsumerRecord, settlement: Settlement, closing: Callable[[], bool]
     ) -> bool:
-        """Write the record to <topic>.dlq with the reason; True once the broker has it.
+        """Write the record to <channel>.dlq with the reason; True once the broker has it.
 
         A copy too large for the broker (a record near the size limit plus our headers) goes
         out without its body, with a header saying why; any other refusal, or a failure of
         that too, gives False: the partition holds the message, tries again later and never
         commits past it.
         """
-        ours = {*DEAD_LETTER_HEADERS, ORIGIN_HEADER, BODY_DROPPED_HEADER}  # from an earlier trip
+        # Ours from an earlier trip (a replay, a retry topic) go; the origin is the original's.
+        ours = {*DEAD_LETTER_HEADERS, *RETRY_HEADERS, BODY_DROPPED_HEADER}
         headers = [(k, v) for k, v in record.headers or () if k not in ours]
         headers += encode_headers(dead_letter_headers(settlement))
-        headers.append(
-            (ORIGIN_HEADER, f"{record.topic}/{record.partition}/{record.offset}".encode())
-        )
-        topic = dlq_name(record.topic)
+        channel, partition, offset = origin_of(record)
+        headers.append((ORIGIN_HEADER, f"{channel}/{partition}/{offset}".encode()))
+        topic = dlq_name(channel)
         fields = _fields(record, settlement)
         where = f"{record.topic}/{record.partition}/{record.offset}"
         try:
@@ -154,7 +153,7 @@ def _fields(record: ConsumerRecord, settlement: Settlement) -> dict[str, Any]:
     """The log fields of a dead letter (see dedupe.observability.logs.FIELDS)."""
     message_id = dict(record.headers or ()).get(MESSAGE_ID_HEADER)
     return {
-        "channel": record.topic,
+        "channel": origin_of(record)[0],
         "scope": settlement.scope,
         "key": settlement.key,
         "message_id": message_id.decode("utf-8", "replace") if message_id else None,

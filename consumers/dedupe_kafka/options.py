@@ -14,11 +14,12 @@ from dedupe.plugins import UrlOption
 MEANING = {
     "group_id": "the consumer group; the workers of an app share it",
     "client_id": "the client's name in the broker's logs and metrics",
-    "partitions": "partitions of the topics the worker creates (a channel and its `.dlq`) "
-    "when they do not exist",
+    "partitions": "partitions of the topics the worker creates (a channel, its `.dlq` and its "
+    "`.retry.<bucket>` topics) when they do not exist",
     "replication_factor": "replicas of the topics it creates; 0 = min(3, brokers in the cluster)",
     "batch_max": "records per fetch, and per claim statement",
-    "max_held": "deferred messages held in memory per partition before it stops fetching",
+    "max_held": "messages held in memory per partition (deferrals under 5 s, requeues) before "
+    "it stops fetching",
     "batches_in_flight": "fetched batches of one partition processed at once (their claims and "
     "completions overlap); at most max_held / batch_max, at least 1",
     "commit_interval_s": "period of the offset commits",

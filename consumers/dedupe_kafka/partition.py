@@ -5,9 +5,13 @@ record key, so messages of a key run in offset order while the others run side b
 BATCHES_IN_FLIGHT batches run at once; a batch's records of keys an earlier one holds wait for
 it to end. The partition is paused at that many, while held messages run again, or while too
 many are held: a record is not left unfetched for a whole batch's claim and completion. A
-message the core defers or requeues is held, with the later messages of its key queued behind
-it, and runs again when due, beside the stream; so is one whose dead letter or reply the broker
-refused, or whose settling failed. The commit position is the first offset without a final
+message the core defers for at least the smallest delay bucket (5 s) goes to its retry topic
+(dedupe_kafka.retries) and is done here once the broker has the copy; one deferred for less, or
+requeued, is held, with the later messages of its key queued behind it, and runs again when
+due, beside the stream; so is one whose deferral, dead letter or reply the broker refused, or
+whose settling failed. A partition of a retry topic runs its records as messages of their
+channel, one fetched batch at a time, each record once it is due (the partition is paused while
+the batch waits). The commit position is the first offset without a final
 outcome, so an offset is never committed past an unfinished message. A revoked partition starts
 no next wave: what it has not run is left, uncommitted, to the next owner.
 """
@@ -18,12 +22,14 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from dedupe.claims.keys import MESSAGE_ID_HEADER
 from dedupe.message import Headers, Message
 from dedupe.transport import Action, Process, Settlement
+from dedupe_kafka.retries import deferrals_of, due_at, goes_to_retry_topic, origin_of
 
 logger = logging.getLogger(__name__)
 
@@ -41,26 +47,38 @@ DEAD_LETTER_RETRY_MAX_S = 300.0
 BATCHES_IN_FLIGHT = 2
 
 
-def to_message(record: ConsumerRecord, *, attempt: int = 1, redelivered: bool = True) -> Message:
+def to_message(
+    record: ConsumerRecord,
+    *,
+    attempt: int = 1,
+    redelivered: bool = True,
+    origin: tuple[str, int, int] | None = None,
+) -> Message:
     """The envelope the core sees for a Kafka record. `redelivered`: it may have been read
     before (a partition's first batch after it was assigned, or a held retry); the core runs
-    only the others in one transaction (one_transaction=True)."""
+    only the others in one transaction (one_transaction=True). `origin`: (topic, partition,
+    offset) of the original of a retry topic's copy, which runs as a message of that topic
+    (`meta["retry"]` says where the copy itself is)."""
     headers = Headers(dict(record.headers or ()))
+    topic, partition, offset = origin or (record.topic, record.partition, record.offset)
+    meta = {
+        "topic": topic,
+        "partition": partition,
+        "offset": offset,
+        "key": record.key,
+        "timestamp_ms": record.timestamp,
+        "redelivered": redelivered,
+    }
+    if origin is not None:
+        meta["retry"] = f"{record.topic}/{record.partition}/{record.offset}"
     return Message(
-        channel=record.topic,
+        channel=topic,
         body=record.value if record.value is not None else b"",
         headers=headers,
         message_id=headers.get(MESSAGE_ID_HEADER) or None,
         attempt=attempt,
         content_type=headers.get("content-type"),
-        meta={
-            "topic": record.topic,
-            "partition": record.partition,
-            "offset": record.offset,
-            "key": record.key,
-            "timestamp_ms": record.timestamp,
-            "redelivered": redelivered,
-        },
+        meta=meta,
     )
 
 
@@ -80,12 +98,20 @@ class KafkaDelivery:
     @property
     def message(self) -> Message:
         if self._message is None:
-            replayed_to = self.partition.replayed_to
-            self._message = to_message(
-                self.record,
-                attempt=self.attempt,
-                redelivered=self.attempt > 1 or replayed_to is None or self.offset < replayed_to,
-            )
+            partition = self.partition
+            if partition.retry is not None:  # a copy from a retry topic: always read before
+                self._message = to_message(
+                    self.record, attempt=self.attempt, origin=origin_of(self.record)
+                )
+            else:
+                replayed_to = partition.replayed_to
+                self._message = to_message(
+                    self.record,
+                    attempt=self.attempt,
+                    redelivered=self.attempt > 1
+                    or replayed_to is None
+                    or self.offset < replayed_to,
+                )
         return self._message
 
     @property
@@ -142,6 +168,9 @@ class PartitionWork:
     returns True once the broker has it; it may give up (False) once `closing()` is true.
     `reply(record, result, closing)` answers a request with its stored result (True at once
     when the record asks for no reply); False holds the record like a refused dead letter.
+    `defer(record, message, settlement)` copies a deferred record to its retry topic and returns
+    True once the broker has it (None: every deferral is held in memory).
+    `retry`: (channel, bucket bound in seconds) when this is a partition of a retry topic.
     """
 
     def __init__(
@@ -157,8 +186,14 @@ class PartitionWork:
         reply: Callable[[ConsumerRecord, Settlement, Callable[[], bool]], Awaitable[bool]]
         | None = None,
         batches_in_flight: int = BATCHES_IN_FLIGHT,
+        defer: Callable[[ConsumerRecord, Message, Settlement], Awaitable[bool]] | None = None,
+        retry: tuple[str, float] | None = None,
     ) -> None:
         self.tp = tp
+        self.retry = retry
+        # What process() is told: the topic, or the channel of a retry topic's copies.
+        self.channel: str = retry[0] if retry is not None else tp.topic
+        self._defer = defer
         self._process = process
         self._batch_max = batch_max
         self._max_held = max_held
@@ -172,7 +207,10 @@ class PartitionWork:
         self.replayed_to: int | None = None  # offsets before it came in the first batch
         self.held: dict[object, collections.deque[KafkaDelivery]] = {}
         self.closing = False  # revoked or stopping: start nothing new
-        self._depth = max(1, batches_in_flight)
+        # A retry topic's partition runs one batch at a time: paused while it waits to be due.
+        self._depth = 1 if retry is not None else max(1, batches_in_flight)
+        self._waiting = False  # its batch waits for a record to be due
+        self._closed = asyncio.Event()
         # The fetched batches in flight, each with the chain keys of its records.
         self._batches: dict[asyncio.Task[None], frozenset[object]] = {}
         self._retrier: asyncio.Task[None] | None = None
@@ -204,8 +242,8 @@ class PartitionWork:
 
     @property
     def busy(self) -> bool:
-        """A fetched batch is running."""
-        return bool(self._batches)
+        """A fetched batch is running (not one only waiting for its records to be due)."""
+        return bool(self._batches) and not self._waiting
 
     @property
     def full(self) -> bool:
@@ -245,6 +283,9 @@ class PartitionWork:
         when it was fetched) hold run once those batches have ended, the others at once."""
         task = asyncio.current_task()
         try:
+            if self.retry is not None:
+                await self._run_when_due(records)  # (one batch at a time: none earlier)
+                return
             taken = frozenset[object]().union(*earlier.values())
             now = [r for r in records if _chain_key(r) not in taken]
             later = [r for r in records if _chain_key(r) in taken]
@@ -268,7 +309,7 @@ class PartitionWork:
                     return
                 ready: list[KafkaDelivery] = []
                 for record in wave:
-                    delivery = KafkaDelivery(self, record)
+                    delivery = self._delivery(record)
                     chain = self.held.get(_chain_key(record))
                     if chain is not None:
                         chain.append(delivery)  # runs after the held message of its key
@@ -277,9 +318,37 @@ class PartitionWork:
                 if ready:
                     await self._run(ready)
 
+    async def _run_when_due(self, records: Sequence[ConsumerRecord]) -> None:
+        """Run a retry topic's batch in offset order, each record once it is due: the due ones
+        at the front together, then wait for the next (at most its bucket's bound)."""
+        assert self.retry is not None
+        bound = self.retry[1]
+        start = 0
+        while start < len(records) and not self.closing:
+            now = time.time()
+            end = start
+            while end < len(records) and due_at(records[end], bound) <= now:
+                end += 1
+            if end > start:
+                await self._run_records(records[start:end])
+                start = end
+                continue
+            self._waiting = True
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(due_at(records[start], bound) - now):
+                        await self._closed.wait()  # revoked or stopping: leave the rest
+            finally:
+                self._waiting = False
+
+    def _delivery(self, record: ConsumerRecord) -> KafkaDelivery:
+        # A retry topic's copy: its attempt is one more than the deferred one's.
+        attempt = deferrals_of(record) + 1 if self.retry is not None else 1
+        return KafkaDelivery(self, record, attempt=attempt)
+
     async def _run(self, deliveries: Sequence[KafkaDelivery]) -> None:
         try:
-            await self._process(self.tp.topic, deliveries)
+            await self._process(self.channel, deliveries)
         except Exception:
             logger.exception("processing a batch from %s failed; it runs again later", self.tp)
             for delivery in deliveries:
@@ -297,6 +366,16 @@ class PartitionWork:
                 self._hold_with_backoff(delivery)
                 return False
         elif settlement.action is not Action.ACK:
+            if (
+                not self.closing
+                and self._defer is not None
+                and goes_to_retry_topic(settlement)
+                and await self._defer(delivery.record, delivery.message, settlement)
+            ):
+                # Its copy waits in the retry topic: this offset is done, the partition
+                # commits past it and the later messages of its key run before the copy.
+                self._final(delivery)
+                return True
             if self.closing:
                 # Stopping or revoked: not committed past, so the next owner reads it again.
                 logger.debug("%s offset %d left to the next owner", self.tp, delivery.offset)
@@ -401,6 +480,7 @@ class PartitionWork:
         if self._retrier is not None and not self._retrying:
             self._retrier.cancel()
         self._wake.set()
+        self._closed.set()
 
     async def wait_idle(self) -> None:
         await self._idle.wait()

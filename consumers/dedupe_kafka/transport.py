@@ -1,6 +1,8 @@
 """Kafka transport on aiokafka: offsets are committed only past messages whose outcome is recorded.
 
-A channel `C` is a topic; its dead letters go to the topic `C.dlq` (both are created if missing).
+A channel `C` is a topic; its dead letters go to the topic `C.dlq`, its deferrals of 5 s or more
+to the retry topics `C.retry.5s`, `C.retry.30s`, `C.retry.2m`, `C.retry.10m` and `C.retry.1h`
+(all are created if missing; the worker consumes the retry topics too).
 
 - One consumer group per app (`dedupe-<app name>`, or `?group_id=` in the URL), auto-commit off;
   a new group starts from the earliest offset.
@@ -9,9 +11,13 @@ A channel `C` is a topic; its dead letters go to the topic `C.dlq` (both are cre
   `batches_in_flight` fetched batches of a partition run at once, the partition is paused at
   that many (or while too many messages are held) and the consumer keeps polling, so a long
   handler never gets the worker evicted from the group. Partitions run in parallel.
-- Kafka cannot redeliver one message, so a message the core defers (its key is in progress
-  elsewhere) or requeues waits in memory and runs again after its delay, beside the stream;
-  only later messages with its record key wait for it.
+- Kafka cannot redeliver one message. A message the core defers for 5 s or more (its key is in
+  progress elsewhere, a retry's backoff) is copied to the retry topic of its delay's bucket
+  and its offset is done once the broker has the copy (dedupe_kafka.retries); the copy runs as
+  a message of its channel once due, and the later messages of its record key do not wait for
+  it. A shorter deferral, a requeue, or a deferral whose copy the broker refused waits in
+  memory and runs again after its delay, beside the stream; only later messages with its
+  record key wait for it.
 - Per partition, the committed offset is the first message without a final outcome (acked, or
   dead-lettered and acknowledged by the broker): never past an unfinished one. Commits go out
   every `commit_interval_s` for all partitions in one request, and on revocation and shutdown.
@@ -50,6 +56,7 @@ from dedupe_kafka.options import KafkaOptions, group_id_for
 from dedupe_kafka.partition import PartitionWork
 from dedupe_kafka.publisher import ensure_topics, idempotent_producer
 from dedupe_kafka.replies import Replies
+from dedupe_kafka.retries import Retries, retry_bucket, topics_of
 
 # The longest aiokafka's background fetch routine sleeps before it looks again for partitions
 # to fetch (its consumer_timeout_ms; aiokafka's default is 200).
@@ -109,6 +116,8 @@ class KafkaTransport(Transport):
         self._stopping = False
         self.dead_letters = DeadLetters(lambda: self._producer, lambda: self._stopping)
         self.replies = Replies(lambda: self._producer)
+        self.retries = Retries(lambda: self._producer)
+        self._channels: frozenset[str] = frozenset()
         self.rebalances = 0
 
     @property
@@ -130,8 +139,10 @@ class KafkaTransport(Transport):
 
     async def serve(self, channels: Sequence[str], process: Process, stop: asyncio.Event) -> None:
         await self.connect()
-        await ensure_topics(self.options, [*channels, *map(dlq_name, channels)])
+        retry_topics = topics_of(channels)
+        await ensure_topics(self.options, [*channels, *map(dlq_name, channels), *retry_topics])
         self._process = process
+        self._channels = frozenset(channels)
         options = self.options
         consumer = AIOKafkaConsumer(
             bootstrap_servers=options.bootstrap_servers,
@@ -150,7 +161,7 @@ class KafkaTransport(Transport):
             # came in (one or two fetch gaps of 202-203 ms in each 10 s run at 1,000 msg/s).
             consumer_timeout_ms=FETCHER_WAKE_MS,
         )
-        consumer.subscribe(list(channels), listener=_Rebalance(self))
+        consumer.subscribe([*channels, *retry_topics], listener=_Rebalance(self))
         try:
             await consumer.start()
         except BaseException:
@@ -210,6 +221,7 @@ class KafkaTransport(Transport):
         assert self._process is not None
         self.rebalances += 1
         for tp in assigned:
+            retry = retry_bucket(tp.topic)
             self._partitions[tp] = PartitionWork(
                 tp,
                 self._process,
@@ -220,6 +232,8 @@ class KafkaTransport(Transport):
                 resume=self._resume,
                 reply=self.replies.send,
                 batches_in_flight=self.options.depth,
+                defer=self.retries.send,
+                retry=retry if retry is not None and retry[0] in self._channels else None,
             )
         logger.info(
             "assigned %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(assigned))

@@ -35,7 +35,8 @@ class Broker(Protocol):
         """Move the channel's dead letters back (dlq replay), releasing each failed claim."""
 
     async def backlog(self, channel: str) -> int:
-        """Messages not yet consumed for good (RabbitMQ: queued or delayed; Kafka: group lag)."""
+        """Messages not yet consumed for good (RabbitMQ: queued or delayed; Kafka: the group's
+        lag on the channel and its retry topics)."""
 
     async def ready(self, channel: str, *transports: Transport) -> None:
         """Wait until the workers consume (Kafka: the group has spread the partitions)."""
@@ -97,14 +98,16 @@ class KafkaBroker:
         return await kafka.replay_dead_letters(self.url, channel, limit=100, release=release)
 
     async def backlog(self, channel: str) -> int:
-        return await kafka.backlog(self.url, channel, self.group_id)
+        """The group's lag on the channel and its retry topics (RabbitMQ: its delay queues)."""
+        return await kafka.backlog(self.url, channel, self.group_id, with_retry_topics=True)
 
     async def ready(self, channel: str, *transports: Transport, timeout_s: float = 30) -> None:
         workers = [t for t in transports if isinstance(t, kafka.KafkaTransport)]
         partitions = kafka.KafkaOptions.from_url(self.url).partitions
         async with asyncio.timeout(timeout_s):
             while True:
-                owned = [w.assignment for w in workers]
+                # The channel's own partitions (a worker is assigned its retry topics' too).
+                owned = [{tp for tp in w.assignment if tp.topic == channel} for w in workers]
                 spread = all(owned) or len(workers) > partitions
                 if spread and sum(len(o) for o in owned) == partitions:
                     return
