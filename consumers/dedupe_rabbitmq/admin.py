@@ -29,7 +29,7 @@ async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[
     connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
         amqp = await connection.channel()
-        queue = await declare_channel(amqp, channel, BrokerUrl.parse(url).options)
+        queue = await declare_channel(amqp, channel, options=BrokerUrl.parse(url).options)
         dlq = await amqp.get_queue(dlq_name(queue.name))
         for _ in range(limit):
             incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
@@ -53,7 +53,7 @@ async def replay_dead_letters(
     connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
         amqp = await connection.channel(publisher_confirms=True)
-        await declare_channel(amqp, channel, BrokerUrl.parse(url).options)
+        await declare_channel(amqp, channel, options=BrokerUrl.parse(url).options)
         dlq = await amqp.get_queue(dlq_name(channel))
         for _ in range(limit):
             incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
@@ -88,7 +88,7 @@ async def publish(
     connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
         amqp = await connection.channel(publisher_confirms=True)
-        await declare_channel(amqp, channel, BrokerUrl.parse(url).options)
+        await declare_channel(amqp, channel, options=BrokerUrl.parse(url).options)
         pending = [
             amqp.default_exchange.publish(
                 aio_pika.Message(

@@ -112,7 +112,7 @@ class Copies:
         """
         channel = await self._open_connection().channel(publisher_confirms=False)
         try:
-            await declare_queues(channel, name, self.options)
+            await declare_queues(channel, name, options=self.options)
         finally:
             with contextlib.suppress(Exception):
                 await channel.close()

@@ -147,7 +147,7 @@ class RabbitMQPublisher:
 
     async def _declared_within(self, amqp: AbstractChannel, channel: str) -> AbstractQueue:
         async with asyncio.timeout(self.timeout_s):
-            return await declare_channel(amqp, channel, self.options)
+            return await declare_channel(amqp, channel, options=self.options)
 
     async def ready(self) -> bool:
         """Whether a publish could go out now (connects if needed)."""

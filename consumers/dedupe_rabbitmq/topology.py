@@ -103,7 +103,7 @@ class QueueMismatch(ConfigurationError, ChannelPreconditionFailed):
 
 
 async def declare_channel(
-    channel: AbstractChannel, name: str, options: RabbitOptions = DEFAULT
+    channel: AbstractChannel, name: str, *, options: RabbitOptions = DEFAULT
 ) -> AbstractQueue:
     """Declare the work, dead-letter and delay queues of one channel; return the work queue."""
     *others, (work, arguments) = queues(name, options)
@@ -118,7 +118,9 @@ async def declare_channel(
     )
 
 
-async def declare_queues(channel: AmqpChannel, name: str, options: RabbitOptions = DEFAULT) -> None:
+async def declare_queues(
+    channel: AmqpChannel, name: str, *, options: RabbitOptions = DEFAULT
+) -> None:
     """Declare the work, dead-letter and delay queues of one channel on an aiormq channel."""
     for queue_name, arguments in queues(name, options):
         await _refused_as_mismatch(

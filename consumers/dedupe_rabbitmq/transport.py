@@ -298,7 +298,7 @@ class RabbitMQTransport(Transport):
             routes: dict[str, _Inbox] = {}
             self._channel, self._routes = channel, routes
             for name, inbox in self._inboxes.items():
-                await declare_queues(channel, name, self.options)
+                await declare_queues(channel, name, options=self.options)
                 # The tag is ours, so that the route exists before the first delivery.
                 tag = f"dedupe.{name}.{uuid.uuid4().hex[:12]}"
                 routes[tag] = inbox
