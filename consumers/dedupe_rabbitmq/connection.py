@@ -44,11 +44,12 @@ async def connect(
         except (OSError, AMQPConnectionError, TimeoutError) as exc:
             last = exc
             failures.append(f"{redact(node)} ({str(exc) or type(exc).__name__})")
-            if len(nodes) > 1:
-                logger.warning("could not connect to RabbitMQ at %s: %s", redact(node), exc)
+            logger.debug("could not connect to RabbitMQ at %s: %s", redact(node), exc)
             continue
-        if failures:
-            logger.warning("connected to RabbitMQ at %s", redact(node))
+        if failures:  # a node of the list is down: say so once, with the one that answered
+            logger.warning(
+                "connected to RabbitMQ at %s; not at %s", redact(node), "; ".join(failures)
+            )
         return connection
     if len(nodes) == 1:
         assert last is not None

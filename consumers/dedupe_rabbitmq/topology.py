@@ -85,20 +85,28 @@ class QueueMismatch(ConfigurationError, ChannelPreconditionFailed):
     """A queue of the channel exists with other arguments than the URL asks for (its type,
     most often: RabbitMQ cannot turn a classic queue into a quorum one in place)."""
 
-    def __init__(self, queue: str, options: RabbitOptions, refusal: BaseException) -> None:
-        said = str(refusal)
+    def __init__(
+        self, queue: str, channel: str, options: RabbitOptions, refusal: BaseException
+    ) -> None:
         asked = options.queue_type
         other = "classic" if options.quorum else "quorum"
+        said = str(refusal)
+        exists = (
+            f"it exists as a {other} queue"
+            if "x-queue-type" in said
+            else ("it exists with other arguments")
+        )
+        names = " ".join(name for name, _ in queues(channel))
         ConfigurationError.__init__(
             self,
-            f"RabbitMQ refused to declare queue {queue!r} as a {asked} queue: it exists with "
-            f"other arguments ({said}). A queue's type and arguments cannot change in place. "
-            f"Either keep the URL's queue_type={other} for this channel, or move to {asked} "
-            f"queues: stop the workers of the channel, let the queue drain (dead letters: "
-            f"`dedupe-worker dlq list`), delete the channel's queues (`rabbitmqctl "
-            f"delete_queue {queue}`, and its .dlq and .delay.* queues), then start the "
-            f"workers with queue_type={asked}; or move the messages with a shovel to new "
-            f"queues under another channel name.",
+            f"RabbitMQ refused to declare queue {queue!r} as a {asked} queue: {exists} "
+            f"({said}). A queue's type and arguments cannot change in place. Either keep "
+            f"queue_type={other} in the broker URL for channel {channel!r}, or move it to "
+            f"{asked} queues: stop every worker, receiver and relay that uses the channel, let "
+            f"{channel!r} drain (and replay or note what `dedupe-worker dlq list {channel}` "
+            f"shows), delete the channel's queues ({names}: `rabbitmqctl delete_queue NAME` "
+            f"for each), then start them all with queue_type={asked}; or shovel the messages "
+            "to a new channel name.",
         )
 
 
@@ -110,11 +118,12 @@ async def declare_channel(
     for queue_name, queue_arguments in others:
         await _refused_as_mismatch(
             queue_name,
+            name,
             options,
             channel.declare_queue(queue_name, durable=True, arguments=queue_arguments),
         )
     return await _refused_as_mismatch(
-        work, options, channel.declare_queue(work, durable=True, arguments=arguments)
+        work, name, options, channel.declare_queue(work, durable=True, arguments=arguments)
     )
 
 
@@ -125,6 +134,7 @@ async def declare_queues(
     for queue_name, arguments in queues(name, options):
         await _refused_as_mismatch(
             queue_name,
+            name,
             options,
             channel.queue_declare(queue_name, durable=True, arguments=arguments),
         )
@@ -133,12 +143,14 @@ async def declare_queues(
 T = TypeVar("T")
 
 
-async def _refused_as_mismatch(queue: str, options: RabbitOptions, declare: Awaitable[T]) -> T:
+async def _refused_as_mismatch(
+    queue: str, channel: str, options: RabbitOptions, declare: Awaitable[T]
+) -> T:
     try:
         return await declare
     except ChannelPreconditionFailed as exc:
         if "inequivalent arg" in str(exc):
-            raise QueueMismatch(queue, options, exc) from exc
+            raise QueueMismatch(queue, channel, options, exc) from exc
         raise
 
 

@@ -23,7 +23,8 @@ from dedupe.settings import Settings
 # What each setting means; a test fails when a Settings field has no line here.
 MEANING = {
     "database_url": "PostgreSQL holding the claims (and the handlers' ctx.db)",
-    "broker_url": "`amqp://user:pass@host:port/vhost` (RabbitMQ), `kafka://host:port` (Kafka), "
+    "broker_url": "`amqp://user:pass@host:port[,host2:port...]/vhost` (RabbitMQ; "
+    "`?queue_type=quorum`, see below), `kafka://host:port[,host2:port...]` (Kafka), "
     "or a URL of another installed transport ([transports.md](transports.md))",
     "concurrency": "handlers running at once per worker",
     "prefetch": "unacknowledged deliveries held (RabbitMQ prefetch, Kafka batch); "

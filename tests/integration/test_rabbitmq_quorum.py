@@ -151,7 +151,8 @@ async def test_a_classic_queue_in_the_way_is_an_error_that_says_what_to_do(
     finally:
         await transport.close()
     text = str(caught.value)
-    assert "quorum" in text and "queue_type=classic" in text and "delete_queue" in text
+    assert "exists as a classic queue" in text and "queue_type=classic" in text
+    assert "delete_queue" in text and f"{channel}.delay.5s" in text and f"{channel}.dlq" in text
     with pytest.raises(ConfigurationError, match="queue_type=classic"):
         await rabbitmq.publish(quorum(amqp_url), channel, [(b"{}", {}, "m-2")])
 
