@@ -41,7 +41,8 @@ async def connect(
         try:
             async with asyncio.timeout(each):
                 connection = await opener(node, **kwargs)
-        except (OSError, AMQPConnectionError, TimeoutError) as exc:
+        except Exception as exc:  # refused, reset, timed out, a broken handshake: the next
+            # (an error in our own arguments fails on every node and is raised at the end)
             last = exc
             failures.append(f"{redact(node)} ({str(exc) or type(exc).__name__})")
             logger.debug("could not connect to RabbitMQ at %s: %s", redact(node), exc)
@@ -54,7 +55,9 @@ async def connect(
     if len(nodes) == 1:
         assert last is not None
         raise last
-    raise AMQPConnectionError("no RabbitMQ node took the connection: " + "; ".join(failures))
+    raise AMQPConnectionError(
+        "no RabbitMQ node took the connection: " + "; ".join(failures)
+    ) from last
 
 
 __all__ = ["connect"]

@@ -8,9 +8,11 @@ goes away consumes again through another one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import aio_pika
 import asyncpg
@@ -32,13 +34,13 @@ def quorum(amqp_url: str) -> str:
     return f"{amqp_url}?queue_type=quorum"
 
 
-def closed_port() -> int:
-    """A port on 127.0.0.1 nothing listens on (bound, then closed: refused at once)."""
-    import socket
-
+@contextlib.contextmanager
+def closed_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that refuses connections: bound, never listening, and held for the
+    test so that no other process takes it meanwhile."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        yield int(sock.getsockname()[1])
 
 
 def queue_types(*names: str) -> dict[str, tuple[str, dict[str, object]]]:
@@ -161,18 +163,18 @@ async def test_a_url_whose_first_node_is_dead_connects_to_the_next(
     amqp_url: str, channel: str, store: ClaimStore, db: asyncpg.Connection
 ) -> None:
     live = amqp_url.split("@", 1)[1].split("/", 1)[0]
-    url = f"amqp://guest:guest@127.0.0.1:{closed_port()},{live}/?queue_type=quorum"
     await db.execute("CREATE TABLE effects (key text NOT NULL)")
-    await publish_stream(url, channel, 10)  # the admin functions
-    publisher = RabbitMQPublisher(url)  # the outbox relay's and the receiver's
-    try:
-        await publisher.publish(channel, b'{"n": 10}', message_id="k10", headers={})
-    finally:
-        await publisher.close()
-    async with running(effect_app(channel), store, RabbitMQTransport(url)):
-        await all_effects_once(db, 11)
-    dead = await rabbitmq.peek_dead_letters(url, channel, limit=5)
-    assert dead == []
+    with closed_port() as dead_port:
+        url = f"amqp://guest:guest@127.0.0.1:{dead_port},{live}/?queue_type=quorum"
+        await publish_stream(url, channel, 10)  # the admin functions
+        publisher = RabbitMQPublisher(url)  # the outbox relay's and the receiver's
+        try:
+            await publisher.publish(channel, b'{"n": 10}', message_id="k10", headers={})
+        finally:
+            await publisher.close()
+        async with running(effect_app(channel), store, RabbitMQTransport(url)):
+            await all_effects_once(db, 11)
+        assert await rabbitmq.peek_dead_letters(url, channel, limit=5) == []
 
 
 async def test_a_worker_whose_node_goes_away_consumes_through_the_next_one(

@@ -87,16 +87,18 @@ class Opener:
             raise ConnectionRefusedError(111, "Connection refused")
         if self.behaviour.get(host) == "hang":
             await asyncio.sleep(60)
+        if self.behaviour.get(host) == "reset":  # accepted, then closed during the handshake
+            raise asyncio.IncompleteReadError(b"", 7)
         return url, kwargs
 
 
 async def test_connect_takes_the_first_node_that_answers_in_order() -> None:
-    opener = Opener({"a:1": "refuse", "b:2": "hang"})
-    url = "amqp://g:secret@a:1,b:2,c:3/v?queue_type=quorum"
-    connection, kwargs = await connect(url, opener, timeout_s=0.6, client_properties={"x": 1})
-    assert connection == "amqp://g:secret@c:3/v"
+    opener = Opener({"a:1": "refuse", "b:2": "hang", "c:3": "reset"})
+    url = "amqp://g:secret@a:1,b:2,c:3,d:4/v?queue_type=quorum"
+    connection, kwargs = await connect(url, opener, timeout_s=0.8, client_properties={"x": 1})
+    assert connection == "amqp://g:secret@d:4/v"
     assert kwargs == {"client_properties": {"x": 1}}
-    assert opener.tried == ["amqp://g:secret@a:1/v", "amqp://g:secret@b:2/v", connection]
+    assert opener.tried == [f"amqp://g:secret@{n}/v" for n in ("a:1", "b:2", "c:3", "d:4")]
 
 
 async def test_connect_names_every_node_when_none_answers_without_the_password() -> None:
