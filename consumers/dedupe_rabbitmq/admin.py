@@ -12,21 +12,24 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from dedupe.operations.replay import Release, ReplayPolicy, describe
 from dedupe.transport import dlq_name
+from dedupe_rabbitmq.connection import connect
+from dedupe_rabbitmq.options import BrokerUrl
 from dedupe_rabbitmq.topology import DEFERRALS_HEADER, copy_of, declare_channel, delay_queues
 
 logger = logging.getLogger(__name__)
 
 # The transport adds the deferral count besides the dead-letter headers; a replay strips both.
 REPLAY = ReplayPolicy(own_headers=(DEFERRALS_HEADER,))
+CONNECT_TIMEOUT_S = 10.0
 
 
 async def peek_dead_letters(url: str, channel: str, *, limit: int) -> list[dict[str, Any]]:
     """Read up to `limit` dead letters without removing them (they return on close)."""
     found: list[dict[str, Any]] = []
-    connection = await aio_pika.connect(url, timeout=10)
+    connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
         amqp = await connection.channel()
-        queue = await declare_channel(amqp, channel)
+        queue = await declare_channel(amqp, channel, options=BrokerUrl.parse(url).options)
         dlq = await amqp.get_queue(dlq_name(queue.name))
         for _ in range(limit):
             incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
@@ -47,10 +50,10 @@ async def replay_dead_letters(
     published, is dedupe.operations.replay's policy; a dead letter it skips stays in <channel>.dlq.
     """
     moved: list[dict[str, Any]] = []
-    connection = await aio_pika.connect(url, timeout=10)
+    connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
         amqp = await connection.channel(publisher_confirms=True)
-        await declare_channel(amqp, channel)
+        await declare_channel(amqp, channel, options=BrokerUrl.parse(url).options)
         dlq = await amqp.get_queue(dlq_name(channel))
         for _ in range(limit):
             incoming = await dlq.get(no_ack=False, fail=False, timeout=5)
@@ -82,10 +85,10 @@ async def publish(
     url: str, channel: str, messages: Sequence[tuple[bytes, dict[str, Any], str | None]]
 ) -> int:
     """Publish (body, headers, message_id) triples with confirms; declares the channel first."""
-    connection = await aio_pika.connect(url, timeout=10)
+    connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
         amqp = await connection.channel(publisher_confirms=True)
-        await declare_channel(amqp, channel)
+        await declare_channel(amqp, channel, options=BrokerUrl.parse(url).options)
         pending = [
             amqp.default_exchange.publish(
                 aio_pika.Message(
@@ -111,7 +114,7 @@ async def delete_channels(url: str, channels: Iterable[str]) -> int:
     no error. Returns how many queue names were deleted.
     """
     names = [n for c in channels for n in (c, *delay_queues(c), dlq_name(c))]
-    connection = await aio_pika.connect(url, timeout=10)
+    connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
         amqp = await connection.channel()
         for name in names:

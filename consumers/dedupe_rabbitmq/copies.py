@@ -17,6 +17,7 @@ from aiormq.abc import AbstractChannel, AbstractConnection
 from aiormq.exceptions import AMQPChannelError, ChannelInvalidStateError, DeliveryError
 from pamqp.commands import Basic
 
+from dedupe_rabbitmq.options import DEFAULT, RabbitOptions
 from dedupe_rabbitmq.topology import declare_queues
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,13 @@ class Copies:
     # frame queue, or a confirm): past this, the settlement fails and the broker redelivers.
     PUBLISH_TIMEOUT_S = 30.0
 
-    def __init__(self, connection: Callable[[], AbstractConnection | None]) -> None:
+    def __init__(
+        self,
+        connection: Callable[[], AbstractConnection | None],
+        options: RabbitOptions = DEFAULT,
+    ) -> None:
         self._connection = connection  # the transport's current one, None once it is closed
+        self.options = options  # the queue type the channel's queues are declared with
         self.channel: AbstractChannel | None = None
         self._reopening = asyncio.Lock()
         self._copying: dict[str, asyncio.Event] = {}  # message ids with a copy in flight
@@ -106,7 +112,7 @@ class Copies:
         """
         channel = await self._open_connection().channel(publisher_confirms=False)
         try:
-            await declare_queues(channel, name)
+            await declare_queues(channel, name, options=self.options)
         finally:
             with contextlib.suppress(Exception):
                 await channel.close()

@@ -10,6 +10,7 @@ from dedupe.plugins import BrokerAdmin, UrlOption
 from dedupe.settings import Settings
 from dedupe.transport import Publisher, Transport
 from dedupe_rabbitmq.admin import RabbitMQAdmin
+from dedupe_rabbitmq.options import url_options
 from dedupe_rabbitmq.publisher import RabbitMQPublisher
 from dedupe_rabbitmq.transport import RabbitMQTransport
 
@@ -36,7 +37,8 @@ class RabbitMQPlugin:
         return RabbitMQAdmin(url)
 
     def url_options(self) -> Sequence[UrlOption]:
-        return ()  # an AMQP URL's own query (heartbeat=, ...) is aio-pika's
+        # The rest of an AMQP URL's query (heartbeat=, ...) is the client's (aiormq, aio-pika).
+        return url_options()
 
 
 plugin = RabbitMQPlugin()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
+from typing import cast
 
 import aio_pika
 from aio_pika.abc import (
@@ -17,6 +18,8 @@ from aio_pika.abc import (
 from dedupe.claims.database import redact
 from dedupe.errors import BrokerUnavailable, DedupeError
 from dedupe.message import Headers
+from dedupe_rabbitmq.connection import connect as connect_nodes
+from dedupe_rabbitmq.options import BrokerUrl
 from dedupe_rabbitmq.topology import declare_channel
 
 
@@ -40,6 +43,7 @@ class RabbitMQPublisher:
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, channels: int = 8) -> None:
         self.url = url
+        self.options = BrokerUrl.parse(url).options
         self.timeout_s = timeout_s
         self._connection: AbstractConnection | None = None
         self._channels: list[AbstractChannel | None] = [None] * max(1, channels)
@@ -67,12 +71,20 @@ class RabbitMQPublisher:
                 raise BrokerUnavailable(str(failed)) from failed.__cause__
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    if self._connection is None or self._connection.is_closed:
+                    connection = self._connection
+                    if connection is None or connection.is_closed:
                         await self._discard()
-                        self._connection = await aio_pika.connect(self.url)
+                        # The URL's nodes in order: after a lost node, the next that answers.
+                        connection = cast(
+                            AbstractConnection,
+                            await connect_nodes(
+                                self.url, aio_pika.connect, timeout_s=self.timeout_s
+                            ),
+                        )
+                        self._connection = connection
                     for slot, old in enumerate(self._channels):
                         if old is None or old.is_closed:  # a channel the broker closed
-                            self._channels[slot] = await self._connection.channel(
+                            self._channels[slot] = await connection.channel(
                                 publisher_confirms=True, on_return_raises=True
                             )
             except Exception as exc:
@@ -135,7 +147,7 @@ class RabbitMQPublisher:
 
     async def _declared_within(self, amqp: AbstractChannel, channel: str) -> AbstractQueue:
         async with asyncio.timeout(self.timeout_s):
-            return await declare_channel(amqp, channel)
+            return await declare_channel(amqp, channel, options=self.options)
 
     async def ready(self) -> bool:
         """Whether a publish could go out now (connects if needed)."""

@@ -12,13 +12,21 @@ Topology per channel `C` (all durable, bound to the default exchange by name):
   C.delay    the single delay queue of earlier versions, still declared so that what waits
              in it comes back
 
+With `?queue_type=quorum` in the broker URL every one of them is a quorum queue (replicated
+across the cluster) with an explicit delivery limit (dedupe_rabbitmq.options.DELIVERY_LIMIT),
+and the ones that dead-letter (C, the delay queues) do so at least once. Per-message TTL on a
+quorum queue needs RabbitMQ 3.10 or later.
+
 The transport declares them on its aiormq channel (`declare_queues`), the operators' functions
-and the publisher on aio-pika's (`declare_channel`): one table of queues for both.
+and the publisher on aio-pika's (`declare_channel`): one table of queues for both. A queue that
+exists with other arguments (a classic queue where a quorum one is asked for) is refused by
+RabbitMQ; the error says what to do (`QueueMismatch`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import aio_pika
 from aio_pika.abc import (
@@ -27,9 +35,12 @@ from aio_pika.abc import (
     AbstractQueue,
 )
 from aiormq.abc import AbstractChannel as AmqpChannel
+from aiormq.exceptions import ChannelPreconditionFailed
 from pamqp.commands import Basic
 
+from dedupe.errors import ConfigurationError
 from dedupe.transport import dlq_name
+from dedupe_rabbitmq.options import DEFAULT, RabbitOptions
 
 # How many times a message was deferred (the delivery's attempt is one more).
 DEFERRALS_HEADER = "x-dedupe-deferrals"
@@ -56,30 +67,91 @@ def delay_queues(channel: str) -> list[str]:
     return [f"{channel}.delay.{label}" for _, label in DELAY_BUCKETS] + [f"{channel}.delay"]
 
 
-def queues(name: str) -> list[tuple[str, dict[str, Any] | None]]:
+def queues(name: str, options: RabbitOptions = DEFAULT) -> list[tuple[str, dict[str, Any] | None]]:
     """The channel's queues with their arguments, the work queue last."""
+    back = {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name}
+    dead = {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq_name(name)}
     return [
-        (dlq_name(name), None),
+        (dlq_name(name), options.arguments(dead_letters=False) or None),
         *(
-            (delay, {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name})
+            (delay, {**back, **options.arguments(dead_letters=True)})
             for delay in delay_queues(name)
         ),
-        (name, {"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq_name(name)}),
+        (name, {**dead, **options.arguments(dead_letters=True)}),
     ]
 
 
-async def declare_channel(channel: AbstractChannel, name: str) -> AbstractQueue:
+class QueueMismatch(ConfigurationError, ChannelPreconditionFailed):
+    """A queue of the channel exists with other arguments than the URL asks for (its type,
+    most often: RabbitMQ cannot turn a classic queue into a quorum one in place)."""
+
+    def __init__(
+        self, queue: str, channel: str, options: RabbitOptions, refusal: BaseException
+    ) -> None:
+        asked = options.queue_type
+        other = "classic" if options.quorum else "quorum"
+        said = str(refusal)
+        exists = (
+            f"it exists as a {other} queue"
+            if "x-queue-type" in said
+            else ("it exists with other arguments")
+        )
+        names = " ".join(name for name, _ in queues(channel))
+        ConfigurationError.__init__(
+            self,
+            f"RabbitMQ refused to declare queue {queue!r} as a {asked} queue: {exists} "
+            f"({said}). A queue's type and arguments cannot change in place. Either keep "
+            f"queue_type={other} in the broker URL for channel {channel!r}, or move it to "
+            f"{asked} queues: stop every worker, receiver and relay that uses the channel, let "
+            f"{channel!r} drain (and replay or note what `dedupe-worker dlq list {channel}` "
+            f"shows), delete the channel's queues ({names}: `rabbitmqctl delete_queue NAME` "
+            f"for each), then start them all with queue_type={asked}; or shovel the messages "
+            "to a new channel name.",
+        )
+
+
+async def declare_channel(
+    channel: AbstractChannel, name: str, *, options: RabbitOptions = DEFAULT
+) -> AbstractQueue:
     """Declare the work, dead-letter and delay queues of one channel; return the work queue."""
-    *others, (work, arguments) = queues(name)
+    *others, (work, arguments) = queues(name, options)
     for queue_name, queue_arguments in others:
-        await channel.declare_queue(queue_name, durable=True, arguments=queue_arguments)
-    return await channel.declare_queue(work, durable=True, arguments=arguments)
+        await _refused_as_mismatch(
+            queue_name,
+            name,
+            options,
+            channel.declare_queue(queue_name, durable=True, arguments=queue_arguments),
+        )
+    return await _refused_as_mismatch(
+        work, name, options, channel.declare_queue(work, durable=True, arguments=arguments)
+    )
 
 
-async def declare_queues(channel: AmqpChannel, name: str) -> None:
+async def declare_queues(
+    channel: AmqpChannel, name: str, *, options: RabbitOptions = DEFAULT
+) -> None:
     """Declare the work, dead-letter and delay queues of one channel on an aiormq channel."""
-    for queue_name, arguments in queues(name):
-        await channel.queue_declare(queue_name, durable=True, arguments=arguments)
+    for queue_name, arguments in queues(name, options):
+        await _refused_as_mismatch(
+            queue_name,
+            name,
+            options,
+            channel.queue_declare(queue_name, durable=True, arguments=arguments),
+        )
+
+
+T = TypeVar("T")
+
+
+async def _refused_as_mismatch(
+    queue: str, channel: str, options: RabbitOptions, declare: Awaitable[T]
+) -> T:
+    try:
+        return await declare
+    except ChannelPreconditionFailed as exc:
+        if "inequivalent arg" in str(exc):
+            raise QueueMismatch(queue, channel, options, exc) from exc
+        raise
 
 
 def copy_of(

@@ -38,7 +38,9 @@ from dedupe.transport import (
     reply_of,
 )
 from dedupe_rabbitmq.acks import Acks
+from dedupe_rabbitmq.connection import connect as connect_nodes
 from dedupe_rabbitmq.copies import Copies
+from dedupe_rabbitmq.options import BrokerUrl
 from dedupe_rabbitmq.topology import (
     DEFERRALS_HEADER,
     copy_properties,
@@ -201,6 +203,7 @@ class RabbitMQTransport(Transport):
         connection_name: str = "dedupe-worker",
     ) -> None:
         self.url = url
+        self.options = BrokerUrl.parse(url).options  # ?queue_type=, checked before connecting
         self.connection_name = connection_name  # shown by rabbitmqctl and the management UI
         self.prefetch = prefetch
         self.batch_max = batch_max
@@ -211,7 +214,7 @@ class RabbitMQTransport(Transport):
         self._inboxes: dict[str, _Inbox] = {}
         self._routes: dict[str, _Inbox] = {}  # consumer tag -> inbox, of the consuming channel
         self.reconnects = 0  # connections opened again after a loss (for logs and tests)
-        self.copies = Copies(self._current_connection)
+        self.copies = Copies(self._current_connection, self.options)
 
     def _current_connection(self) -> AbstractConnection | None:
         return None if self._closed else self._connection
@@ -220,10 +223,14 @@ class RabbitMQTransport(Transport):
         """Open the connection and the channel for copies unless they are open."""
         self._closed = False
         if self._connection is None or self._connection.is_closed:
+            # The URL's nodes in order: after a lost node, the next one that answers.
+            self._connection = await connect_nodes(
+                self.url,
+                aiormq.connect,
+                timeout_s=self.CONNECT_TIMEOUT_S,
+                client_properties={"connection_name": self.connection_name},
+            )
             async with asyncio.timeout(self.CONNECT_TIMEOUT_S):
-                self._connection = await aiormq.connect(
-                    self.url, client_properties={"connection_name": self.connection_name}
-                )
                 await self.copies.open()
 
     async def close(self) -> None:
@@ -291,7 +298,7 @@ class RabbitMQTransport(Transport):
             routes: dict[str, _Inbox] = {}
             self._channel, self._routes = channel, routes
             for name, inbox in self._inboxes.items():
-                await declare_queues(channel, name)
+                await declare_queues(channel, name, options=self.options)
                 # The tag is ours, so that the route exists before the first delivery.
                 tag = f"dedupe.{name}.{uuid.uuid4().hex[:12]}"
                 routes[tag] = inbox

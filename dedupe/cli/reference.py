@@ -23,7 +23,8 @@ from dedupe.settings import Settings
 # What each setting means; a test fails when a Settings field has no line here.
 MEANING = {
     "database_url": "PostgreSQL holding the claims (and the handlers' ctx.db)",
-    "broker_url": "`amqp://user:pass@host:port/vhost` (RabbitMQ), `kafka://host:port` (Kafka), "
+    "broker_url": "`amqp://user:pass@host:port[,host2:port...]/vhost` (RabbitMQ; "
+    "`?queue_type=quorum`, see below), `kafka://host:port[,host2:port...]` (Kafka), "
     "or a URL of another installed transport ([transports.md](transports.md))",
     "concurrency": "handlers running at once per worker",
     "prefetch": "unacknowledged deliveries held (RabbitMQ prefetch, Kafka batch); "
@@ -268,11 +269,21 @@ def command_options() -> str:
 
 def kafka_options() -> str:
     """The options of a kafka:// broker URL, as the Kafka transport's plugin lists them."""
+    return url_options("kafka://")
+
+
+def rabbitmq_options() -> str:
+    """The options of an amqp:// broker URL, as the RabbitMQ transport's plugin lists them."""
+    return url_options("amqp://")
+
+
+def url_options(url: str) -> str:
+    """The options the transport of `url`'s scheme reads from its URL, as a table."""
     lines = [
         "| URL option | type | default | `run`'s default | meaning |",
         "|---|---|---|---|---|",
     ]
-    for option in transport_plugin("kafka://").url_options():
+    for option in transport_plugin(url).url_options():
         lines.append(
             f"| `{option.name}` | {option.type} | `{option.default}` | {option.run_default} | "
             f"{option.meaning} |"
@@ -297,6 +308,14 @@ def reference() -> str:
         "`--broker 'kafka://host:9092,host2:9092?group_id=billing&partitions=8'`: every "
         "command that talks to Kafka reads them; `run` gives four of them defaults of its "
         f"own.\n\n{kafka_options()}"
+    )
+    sections.append(
+        "### RabbitMQ options in the broker URL\n\n"
+        "`--broker 'amqp://user:pass@rabbit1:5672,rabbit2:5672,rabbit3:5672/vhost?"
+        "queue_type=quorum'`: the nodes are tried in the order written, on the first connect and "
+        "on every reconnect, by the worker, the receiver, the outbox relay and the operator "
+        "commands alike; the rest of the query (`heartbeat=`, ...) is the AMQP client's."
+        f"\n\n{rabbitmq_options()}"
     )
     sections.append(f"### Other environment variables\n\n{other_variables()}")
     return "\n".join(sections)

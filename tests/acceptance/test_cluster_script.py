@@ -164,3 +164,57 @@ async def test_kafka_a_topic_has_three_replicas_and_a_write_is_read_from_another
         assert got.value == b"hello"
     finally:
         await consumer.stop()
+
+
+async def test_rabbitmq_a_worker_follows_the_cluster_when_its_node_stops(
+    cluster: None, db_url: str, db: asyncpg.Connection
+) -> None:
+    """A worker on quorum queues with every node in its URL: the node it is connected to
+    stops; it reconnects to another and finishes the stream, each effect once."""
+    import dedupe_rabbitmq as rabbitmq
+    from dedupe.claims.store import ClaimStore
+    from dedupe_rabbitmq.transport import RabbitMQTransport
+    from tests.conftest import eventually, running
+    from tests.integration.test_reconnect import all_effects_once, effect_app, publish_stream
+
+    nodes = ",".join(url.split("@", 1)[1].rstrip("/") for url in AMQP)
+    url = f"amqp://guest:guest@{nodes}/?queue_type=quorum"
+    channel = f"cluster-{uuid.uuid4().hex[:8]}"
+    await db.execute("CREATE TABLE effects (key text NOT NULL)")
+    await publish_stream(url, channel, 300)
+    stopped: str | None = None
+    transport = RabbitMQTransport(url)
+    try:
+        async with (
+            ClaimStore.open(db_url, owner="w", max_size=5) as store,
+            running(effect_app(channel), store, transport),
+        ):
+
+            async def some() -> bool:
+                return bool(await db.fetchval("SELECT count(*) >= 30 FROM effects"))
+
+            await eventually(some, timeout_s=30)
+            connection = transport._connection
+            assert connection is not None
+            port = connection.url.port
+            stopped = f"dedupe-c{(5681, 5682, 5683).index(port) + 1}@localhost"
+            done = await asyncio.to_thread(_rabbitmqctl, stopped, "stop_app")
+            assert done.returncode == 0, done.stdout + done.stderr
+            await all_effects_once(db, 300)
+            assert transport.reconnects >= 1
+            now = transport._connection
+            assert now is not None and not now.is_closed and now.url.port != port
+            # What is published through the URL while that node is down is consumed too.
+            await publish_stream(url, channel, 301)
+            await all_effects_once(db, 301)
+    finally:
+        if stopped is not None:
+            started = await asyncio.to_thread(_rabbitmqctl, stopped, "start_app")
+            assert started.returncode == 0, started.stdout + started.stderr
+        await rabbitmq.delete_channels(url, [channel])
+
+
+def _rabbitmqctl(node: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["rabbitmqctl", "-q", "-n", node, *args], capture_output=True, text=True, timeout=120
+    )
