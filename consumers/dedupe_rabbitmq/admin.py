@@ -11,10 +11,10 @@ import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 
 from dedupe.operations.replay import Release, ReplayPolicy, describe
-from dedupe.transport import dlq_name
+from dedupe.transport import DEFERRALS_HEADER, dlq_name
 from dedupe_rabbitmq.connection import connect
 from dedupe_rabbitmq.options import BrokerUrl
-from dedupe_rabbitmq.topology import DEFERRALS_HEADER, copy_of, declare_channel, delay_queues
+from dedupe_rabbitmq.topology import copy_of, declare_channel, delay_queues
 
 logger = logging.getLogger(__name__)
 

@@ -39,26 +39,13 @@ from aiormq.exceptions import ChannelPreconditionFailed
 from pamqp.commands import Basic
 
 from dedupe.errors import ConfigurationError
-from dedupe.transport import dlq_name
+from dedupe.transport import DELAY_BUCKETS, delay_bucket, dlq_name
 from dedupe_rabbitmq.options import DEFAULT, RabbitOptions
-
-# How many times a message was deferred (the delivery's attempt is one more).
-DEFERRALS_HEADER = "x-dedupe-deferrals"
-
-
-# (bound in seconds, label): the delay buckets, shortest first.
-DELAY_BUCKETS: tuple[tuple[float, str], ...] = (
-    (5.0, "5s"),
-    (30.0, "30s"),
-    (120.0, "2m"),
-    (600.0, "10m"),
-    (3600.0, "1h"),
-)
 
 
 def delay_name(channel: str, delay_s: float = 0.0) -> str:
     """The delay queue a deferral of `delay_s` waits in: the smallest bucket that covers it."""
-    label = next((label for bound, label in DELAY_BUCKETS if delay_s <= bound), "1h")
+    _, label = delay_bucket(delay_s)
     return f"{channel}.delay.{label}"
 
 

@@ -28,6 +28,7 @@ from pamqp.header import ContentHeader
 
 from dedupe.message import Headers, Message
 from dedupe.transport import (
+    DEFERRALS_HEADER,
     Action,
     Delivery,
     Process,
@@ -41,12 +42,7 @@ from dedupe_rabbitmq.acks import Acks
 from dedupe_rabbitmq.connection import connect as connect_nodes
 from dedupe_rabbitmq.copies import Copies
 from dedupe_rabbitmq.options import BrokerUrl
-from dedupe_rabbitmq.topology import (
-    DEFERRALS_HEADER,
-    copy_properties,
-    declare_queues,
-    delay_name,
-)
+from dedupe_rabbitmq.topology import copy_properties, declare_queues, delay_name
 
 logger = logging.getLogger(__name__)
 

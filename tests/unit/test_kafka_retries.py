@@ -35,6 +35,7 @@ from dedupe_kafka.retries import (
     retry_topics,
 )
 from dedupe_rabbitmq import topology
+from dedupe_rabbitmq import transport as rabbit_transport
 from tests.unit.test_kafka_partition import TP, Record, records
 
 
@@ -53,9 +54,9 @@ def test_a_deferral_goes_to_the_smallest_bucket_that_covers_its_delay() -> None:
 
 
 def test_rabbitmq_delay_queues_use_the_same_buckets() -> None:
-    """One table of buckets for both brokers (RabbitMQ keeps its own copy; they must agree)."""
+    """One table of buckets and one deferrals header for both brokers (dedupe.transport's)."""
     assert topology.DELAY_BUCKETS == DELAY_BUCKETS
-    assert topology.DEFERRALS_HEADER == DEFERRALS_HEADER
+    assert rabbit_transport.DEFERRALS_HEADER == DEFERRALS_HEADER
     for delay in (0.05, 5, 6, 30, 31, 120, 600, 3600, 7200):
         assert topology.delay_name("c", delay).rsplit(".", 1)[1] == delay_bucket(delay)[1]
 
