@@ -15,13 +15,11 @@ from typing import Any
 
 import aiokafka
 import asyncpg
-import pytest
 
 import dedupe_kafka as kafka
 from dedupe import App, Context, Message, Retry
 from dedupe.claims.records import ClaimRequest
 from dedupe.claims.store import ClaimStore
-from dedupe.settings import Settings
 from dedupe_kafka.publisher import admin_client
 from tests.conftest import eventually, running
 from tests.integration.brokers import KafkaBroker
@@ -150,10 +148,6 @@ async def test_a_copy_in_a_retry_topic_does_not_run_before_it_is_due(
     assert at >= due
 
 
-@pytest.mark.skipif(
-    "park_after_s" not in Settings.model_fields,
-    reason="the pipeline still sleeps out a Retry's delay (dedupe.pipeline.runs: park_after_s)",
-)
 async def test_a_handler_retrying_after_6s_goes_through_the_retry_topic(
     kafka_url: str, channel: str, store: ClaimStore
 ) -> None:
