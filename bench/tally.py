@@ -21,6 +21,11 @@ class Tally:
         self.count = 0
         self.first: float | None = None
         self.last: float | None = None
+        # The process's CPU time (user + system) at the first arrival and at the n-th settle:
+        # CPU per message under load, which the machine's other work disturbs far less than
+        # the rate.
+        self.cpu_first: float | None = None
+        self.cpu_last: float | None = None
         self.latencies: list[float] = []
         # BENCH_LATENCY_TIMELINE=<file>: every settle's (time, latency), written at the end, to
         # tell a queue that grows from stalls that come and go.
@@ -34,6 +39,7 @@ class Tally:
     def arrived(self) -> None:
         if self.first is None:
             self.first = time.time()
+            self.cpu_first = time.process_time()
 
     def settled(self, body: bytes | None = None, k: int = 1) -> None:
         now = time.time()
@@ -44,7 +50,15 @@ class Tally:
         self.count += k
         self.last = now
         if self.n and self.count >= self.n:
+            if self.cpu_last is None:
+                self.cpu_last = time.process_time()
             self.stop.set()
+
+    def cpu_us_per_msg(self) -> float | None:
+        """The consumer process's CPU per settled message, from the first arrival to the n-th."""
+        if self.cpu_first is None or self.cpu_last is None or not self.count:
+            return None
+        return round((self.cpu_last - self.cpu_first) / self.count * 1e6, 1)
 
     async def sample_rss(self) -> None:
         start = time.time()
@@ -70,6 +84,7 @@ class Tally:
             "p50_ms": pct(0.50),
             "p99_ms": pct(0.99),
             "latency_samples": len(lat),
+            "cpu_us_per_msg": self.cpu_us_per_msg(),
             "rss_mb": self.rss,
             "max_rss_mb": round(self._proc.memory_info().rss / 2**20, 1),
             **extra,

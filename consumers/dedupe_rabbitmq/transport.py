@@ -189,6 +189,8 @@ class RabbitMQTransport(Transport):
     # that a queue that cannot be declared (missing permission, other arguments) does not
     # spin the message through the worker as fast as the broker redelivers it.
     UNROUTABLE_PAUSE_S = 1.0
+    # The longest a batch gathers deliveries while `batches_in_flight` batches run (_dispatch).
+    GATHER_S = 0.005
 
     def __init__(
         self,
@@ -390,21 +392,47 @@ class RabbitMQTransport(Transport):
         process: Process,
         processing: set[asyncio.Task[None]],
     ) -> None:
-        """Hand whatever has arrived to the core as one batch (one claim statement)."""
+        """Hand whatever has arrived to the core as one batch (one claim statement).
+
+        RabbitMQ sends a consumer as many deliveries as its acks free, so batches handed over
+        the moment anything arrives stay as small as the acks that freed them (three
+        deliveries a batch at a no-op backlog, each with its claim, completion and ack). Once
+        `batches_in_flight` batches of the channel run, the next one gathers what arrives
+        until one of them ends, it is full, or GATHER_S pass; a lone delivery never waits.
+        """
         frames = inbox.frames
+        running: set[asyncio.Task[None]] = set()
+        depth = self.options.batches_in_flight
+
+        def ended(task: asyncio.Task[None]) -> None:
+            running.discard(task)
+            inbox.ready.set()  # the gathering batch may go
+
         while True:
             if not frames:
                 inbox.ready.clear()
                 await inbox.ready.wait()
                 continue
+            if len(running) >= depth and len(frames) < self.batch_max:
+                await self._gather(inbox, running, depth)
             count = min(len(frames), self.batch_max)
             deliveries: list[Delivery] = [
                 RabbitDelivery(self, name, frames.popleft()) for _ in range(count)
             ]
             task = asyncio.create_task(process(name, deliveries))
             processing.add(task)
+            running.add(task)
             task.add_done_callback(processing.discard)
+            task.add_done_callback(ended)
             task.add_done_callback(_log_failure)
+
+    async def _gather(self, inbox: _Inbox, running: set[asyncio.Task[None]], depth: int) -> None:
+        """Wait, at most GATHER_S, while `depth` batches run and the next is not full."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.GATHER_S):
+                while len(running) >= depth and len(inbox.frames) < self.batch_max:
+                    inbox.ready.clear()
+                    await inbox.ready.wait()  # a delivery arrived or a batch ended
 
     async def settle(self, delivery: RabbitDelivery, settlement: Settlement) -> bool:
         """Carry out the settlement; False when a copy could not be routed and the delivery

@@ -409,3 +409,59 @@ async def test_dead_letters_still_go_out_after_the_broker_closed_the_connection(
         await eventually(dead_lettered, timeout_s=20)
     [letter] = await rabbitmq.peek_dead_letters(amqp_url, channel, limit=10)
     assert (letter["key"], letter["reason"]) == ("p1", "rejected")
+
+
+
+async def test_while_batches_run_the_next_one_gathers_what_arrives_and_a_lone_one_goes_at_once(
+    amqp_url: str, channel: str
+) -> None:
+    """RabbitMQ sends as many deliveries as acks free: handed over the moment they arrive,
+    batches stay as small as the acks that freed them. With `batches_in_flight=1`, the next
+    batch gathers while one runs and goes when it ends; one that never ends holds the next back
+    GATHER_S at most; a delivery with nothing running goes at once."""
+    transport = RabbitMQTransport(
+        f"{amqp_url}?batches_in_flight=1", prefetch=100, batch_max=100
+    )
+    transport.GATHER_S = 30.0  # nothing below waits for it unless the gathering is wrong
+    batches: list[int] = []
+    hold = [True]
+    release = asyncio.Event()
+
+    async def process(name: str, deliveries: Sequence[Delivery]) -> None:
+        batches.append(len(deliveries))
+        if hold[0]:
+            hold[0] = False
+            await release.wait()
+        await asyncio.gather(*(delivery.settle(ACK) for delivery in deliveries))
+
+    def arrived() -> int:
+        return len(transport._inboxes[channel].frames)
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(transport.serve([channel], process, stop))
+    try:
+        async with asyncio.timeout(20):
+            # A lone delivery goes at once (it would wait 30 s if it gathered), and is held.
+            await publish_more(amqp_url, channel, range(1))
+            await eventually(polled(lambda: batches == [1]), timeout_s=5)
+            # 40 more arrive while it runs: they gather, and go as one batch when it ends.
+            await publish_more(amqp_url, channel, range(1, 41))
+            await eventually(polled(lambda: arrived() == 40), timeout_s=5)
+            assert batches == [1]
+            release.set()
+            await eventually(polled(lambda: batches == [1, 40]), timeout_s=5)
+            # A batch that never ends holds the next one back GATHER_S at most.
+            transport.GATHER_S = 0.5
+            hold[0], release = True, asyncio.Event()
+            await publish_more(amqp_url, channel, range(41, 42))
+            await eventually(polled(lambda: batches == [1, 40, 1]), timeout_s=5)
+            await publish_more(amqp_url, channel, range(42, 52))
+            await eventually(polled(lambda: batches == [1, 40, 1, 10]), timeout_s=5)
+            assert not release.is_set()
+            release.set()
+    finally:
+        release.set()
+        stop.set()
+        await task
+        await transport.close()
+    assert await queue_state(amqp_url, channel) == (0, 0)
