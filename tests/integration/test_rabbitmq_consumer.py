@@ -411,7 +411,6 @@ async def test_dead_letters_still_go_out_after_the_broker_closed_the_connection(
     assert (letter["key"], letter["reason"]) == ("p1", "rejected")
 
 
-
 async def test_while_batches_run_the_next_one_gathers_what_arrives_and_a_lone_one_goes_at_once(
     amqp_url: str, channel: str
 ) -> None:
@@ -419,9 +418,7 @@ async def test_while_batches_run_the_next_one_gathers_what_arrives_and_a_lone_on
     batches stay as small as the acks that freed them. With `batches_in_flight=1`, the next
     batch gathers while one runs and goes when it ends; one that never ends holds the next back
     GATHER_S at most; a delivery with nothing running goes at once."""
-    transport = RabbitMQTransport(
-        f"{amqp_url}?batches_in_flight=1", prefetch=100, batch_max=100
-    )
+    transport = RabbitMQTransport(f"{amqp_url}?batches_in_flight=1", prefetch=100, batch_max=100)
     transport.GATHER_S = 30.0  # nothing below waits for it unless the gathering is wrong
     batches: list[int] = []
     hold = [True]
