@@ -135,6 +135,7 @@ class Runner:
                     "lease lost to another worker; this run's writes were rolled back"
                 )
                 return lease_lost(handler)
+            self.leases.forget(lease)  # no heartbeat reads a handed-back key as lost
             await self.leases.give_back(lease)
             return REQUEUE_STOPPING
         finally:

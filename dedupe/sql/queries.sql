@@ -131,11 +131,14 @@ ON CONFLICT (scope, key) DO NOTHING
 RETURNING c.token;
 
 -- name: heartbeat
--- Extend the leases we still hold; the rows that come back are the ones still ours.
+-- Extend the leases we still hold; the rows that come back are the ones still ours. A key we
+-- handed back (give_back) is not ours any more although its token is: a beat sent before the
+-- give-back and run after it must not hold the key again for a whole lease.
 UPDATE dedupe_claims AS c
    SET lease_until = now() + make_interval(secs => i.lease_s), updated_at = now()
   FROM unnest($1::text[], $2::text[], $3::bigint[], $4::float8[]) AS i(scope, key, token, lease_s)
  WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token AND c.status = 'in_progress'
+   AND c.error IS DISTINCT FROM 'handed back'
 RETURNING c.scope, c.key;
 
 -- name: complete

@@ -190,6 +190,21 @@ async def test_an_attempt_count_and_a_give_back_sent_twice_count_once(
     assert await db.fetchval("SELECT attempts FROM dedupe_claims") == 1
 
 
+async def test_a_heartbeat_after_the_give_back_does_not_hold_the_key_again(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A beat sent before a give-back (a parked retry, a graceful stop) and run after it finds
+    the key handed back: it extends nothing, and the key stays free for its next copy."""
+    [claim] = await store.claim_batch([request("k")], lease_s=30, retention_s=3600)
+    fence = Fence("t.work", "k", claim.token or 0)
+    assert await store.heartbeat([(fence, 30.0)]) == {fence.ident}
+    assert await store.give_back(fence, handed_back=True)
+    assert await store.heartbeat([(fence, 30.0)]) == set()
+    assert await db.fetchval("SELECT lease_until <= now() FROM dedupe_claims")
+    [again] = await store.claim_batch([request("k")], lease_s=30, retention_s=3600)
+    assert again.owned and again.handed_back
+
+
 # -- a failed COMMIT -------------------------------------------------------------------------
 
 
