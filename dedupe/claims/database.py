@@ -12,7 +12,7 @@ import asyncpg
 
 from dedupe.claims.values import storable_text
 from dedupe.errors import SchemaMismatch, StoreError
-from dedupe.sql import migrations
+from dedupe.sql import migrations, queries
 
 GC_LOCK_ID = 0x6465_6475_7065  # "dedupe": one clean-up at a time across all workers
 MIGRATE_LOCK_ID = GC_LOCK_ID + 1
@@ -70,6 +70,13 @@ class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
 
     def mark_clean(self) -> None:
         self._dedupe_clean = True
+
+
+async def _token_floor(conn: asyncpg.Connection) -> None:
+    """Before a new connection's first statement: the token sequence past this timeline's
+    floor, so that a standby promoted after an asynchronous failover never issues again a
+    token the old primary issued (queries.sql, token_floor)."""
+    await conn.execute(queries()["token_floor"])
 
 
 async def _reset(conn: asyncpg.Connection) -> None:
@@ -138,6 +145,7 @@ async def connect_pool(dsn: str, *, min_size: int = 1, max_size: int = 10) -> as
             server_settings={"application_name": "dedupe-worker"},
             connection_class=StoreConnection,
             reset=_reset,
+            init=_token_floor,
             **connect_options(dsn),
         )
     except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:

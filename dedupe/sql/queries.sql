@@ -249,3 +249,34 @@ SELECT scope, key, encode(payload_hash, 'hex') AS payload_hash, status, retryabl
        expires_at, lease_until > now() AS lease_live
   FROM dedupe_claims
  WHERE scope = $1 AND key = $2;
+
+-- name: token_floor
+-- Every new pooled connection, before its first statement: the fencing tokens of a timeline
+-- start at its number shifted left 40 bits. A standby promoted after an asynchronous
+-- failover is a new timeline whose sequence may stand behind tokens the old primary issued
+-- in the commits it lost; a worker still running such a claim would find its token issued
+-- again and pass the fence. With the sequence moved past (timeline << 40) before the new
+-- primary's first claim, no token of an earlier timeline can come again. The advisory lock
+-- makes the read and the setval one step (two connections setting it back and forth could
+-- issue a token twice); once past the floor, nextval only climbs, and nothing is set. On a
+-- standby (recovery), or before `migrate` made the sequence, it does nothing.
+DO $$
+DECLARE
+    floor bigint;
+BEGIN
+    IF pg_is_in_recovery() OR to_regclass('dedupe_claim_tokens') IS NULL THEN
+        RETURN;
+    END IF;
+    floor := ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint << 40;
+    IF (SELECT last_value FROM dedupe_claim_tokens) >= floor THEN
+        RETURN;
+    END IF;
+    PERFORM pg_advisory_xact_lock(7236510948421338418);
+    IF (SELECT last_value FROM dedupe_claim_tokens) < floor THEN
+        PERFORM setval('dedupe_claim_tokens', floor);
+    END IF;
+EXCEPTION WHEN insufficient_privilege THEN
+    RAISE WARNING 'dedupe-worker: cannot move dedupe_claim_tokens to this timeline''s tokens '
+        '(%): grant SELECT, UPDATE on it to the worker''s role', SQLERRM;
+END
+$$;

@@ -108,3 +108,14 @@ async def test_a_failover_to_an_asynchronous_standby_is_measured(
     assert not [p for p in report.problems if "exited without being killed" in p], report.problems
     # The loss is the lag's commits, not the run: most keys made it.
     assert report.lost < (report.messages - report.duplicates) / 2, report.problems
+    # The new primary is a new timeline; its tokens start above every token of the old one
+    # (the sequence moved to the timeline's floor by the first new connection).
+    conn = await asyncpg.connect(url, ssl=False, timeout=10)
+    try:
+        timeline = await conn.fetchval(
+            "SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"
+        )
+        assert timeline >= 2
+        assert await conn.fetchval("SELECT max(token) >> 40 FROM dedupe_claims") == timeline
+    finally:
+        await conn.close()

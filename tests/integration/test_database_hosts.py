@@ -3,6 +3,7 @@ migrate reach the live one (asyncpg tries the hosts in turn, asking for a read-w
 
 from __future__ import annotations
 
+import asyncio
 from urllib.parse import urlsplit, urlunsplit
 
 from dedupe.claims.database import check_schema, migrate
@@ -21,3 +22,34 @@ async def test_a_url_whose_first_host_is_dead_reaches_the_live_one(db_url: str) 
     async with ClaimStore.open(url, owner="test") as store:
         await check_schema(store.pool, where=url)
         assert await store.pool.fetchval("SELECT NOT pg_is_in_recovery()")
+
+
+TIMELINE = "SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint"
+
+
+async def test_tokens_start_at_the_timelines_floor_and_concurrent_connections_keep_them_unique(
+    db_url: str,
+) -> None:
+    """Every new pooled connection moves the token sequence past (timeline << 40) once, under
+    an advisory lock (a standby promoted after an asynchronous failover is a new timeline: no
+    token the old primary issued can come again). Many connections opened at once while
+    tokens are drawn never set the sequence back."""
+    async with ClaimStore.open(db_url, owner="test", min_size=1, max_size=1) as store:
+        timeline = await store.pool.fetchval(TIMELINE)
+        floor = timeline << 40
+        assert await store.pool.fetchval("SELECT last_value FROM dedupe_claim_tokens") >= floor
+    # Put it behind the floor again (as a promoted standby's may be), then open 12 connections
+    # at once while each draws tokens.
+    async with ClaimStore.open(db_url, owner="test", min_size=1, max_size=1) as store:
+        await store.pool.execute("SELECT setval('dedupe_claim_tokens', 5)")
+    async with ClaimStore.open(db_url, owner="test", min_size=12, max_size=12) as store:
+
+        async def draw() -> list[int]:
+            async with store.pool.acquire() as conn:
+                return [
+                    await conn.fetchval("SELECT nextval('dedupe_claim_tokens')") for _ in range(50)
+                ]
+
+        drawn = [t for tokens in await asyncio.gather(*(draw() for _ in range(12))) for t in tokens]
+    assert len(set(drawn)) == len(drawn) == 600
+    assert min(drawn) > floor
