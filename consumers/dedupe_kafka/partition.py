@@ -29,7 +29,13 @@ from typing import Any
 from dedupe.claims.keys import MESSAGE_ID_HEADER
 from dedupe.message import Headers, Message
 from dedupe.transport import Action, Process, Settlement
-from dedupe_kafka.retries import deferrals_of, due_at, goes_to_retry_topic, origin_of
+from dedupe_kafka.retries import (
+    deferrals_of,
+    due_at,
+    goes_to_retry_topic,
+    origin_of,
+    still_waiting,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +194,14 @@ class PartitionWork:
         batches_in_flight: int = BATCHES_IN_FLIGHT,
         defer: Callable[[ConsumerRecord, Message, Settlement], Awaitable[bool]] | None = None,
         retry: tuple[str, float] | None = None,
+        carry_on: Callable[[ConsumerRecord, float], Awaitable[bool]] | None = None,
     ) -> None:
         self.tp = tp
         self.retry = retry
         # What process() is told: the topic, or the channel of a retry topic's copies.
         self.channel: str = retry[0] if retry is not None else tp.topic
         self._defer = defer
+        self._carry_on = carry_on
         self._process = process
         self._batch_max = batch_max
         self._max_held = max_held
@@ -330,7 +338,7 @@ class PartitionWork:
             while end < len(records) and due_at(records[end], bound) <= now:
                 end += 1
             if end > start:
-                await self._run_records(records[start:end])
+                await self._run_records(await self._not_carried_on(records[start:end], now))
                 start = end
                 continue
             self._waiting = True
@@ -340,6 +348,20 @@ class PartitionWork:
                         await self._closed.wait()  # revoked or stopping: leave the rest
             finally:
                 self._waiting = False
+
+    async def _not_carried_on(
+        self, records: Sequence[ConsumerRecord], now: float
+    ) -> list[ConsumerRecord]:
+        """The records to run now: those that their bucket's bound made due but whose due
+        time is later (a deferral longer than the bucket) are copied on and done here."""
+        runnable: list[ConsumerRecord] = []
+        for record in records:
+            wait_s = still_waiting(record, now)
+            if wait_s and self._carry_on is not None and await self._carry_on(record, wait_s):
+                self._done(record.offset)
+            else:
+                runnable.append(record)
+        return runnable
 
     def _delivery(self, record: ConsumerRecord) -> KafkaDelivery:
         # A retry topic's copy: its attempt is one more than the deferred one's.

@@ -103,6 +103,34 @@ def deferrals_of(record: ConsumerRecord) -> int:
         return 0
 
 
+# A due time further ahead than this is not a deferral we wrote (a clock far off, a hostile
+# header): such a copy runs at its bucket's bound instead of travelling on.
+LONGEST_WAIT_S = 7 * 24 * 3600.0
+# A copy due within this of its bucket's bound runs then rather than travelling once more.
+CARRY_SLACK_S = 1.0
+
+
+def _due_header(record: ConsumerRecord) -> float | None:
+    raw = dict(record.headers or ()).get(DUE_AT_HEADER)
+    try:
+        return int(raw) / 1000 if raw is not None else None
+    except ValueError:
+        return None
+
+
+def still_waiting(record: ConsumerRecord, now: float) -> float:
+    """Seconds a copy that its bucket's bound made due must still wait (0: run it now).
+
+    A deferral longer than the last bucket (1 h) waits there an hour at a time: at the bound
+    it is copied on (Retries.carry_on) until its due time, as RabbitMQ's 1 h queue keeps its
+    message the whole delay."""
+    due = _due_header(record)
+    if due is None:
+        return 0.0
+    left = due - now
+    return left if CARRY_SLACK_S < left <= LONGEST_WAIT_S else 0.0
+
+
 def due_at(record: ConsumerRecord, bound_s: float) -> float:
     """When (epoch seconds) a retry copy may run: its due header, but never later than its
     bucket's bound after it was written (a clock far ahead, or a hostile header, waits no
@@ -174,6 +202,34 @@ class Retries:
             return False
         self.sent += 1
         logger.debug("deferred %s to %s for %.1fs", where, topic, settlement.delay_s)
+        return True
+
+    async def carry_on(self, record: ConsumerRecord, wait_s: float) -> bool:
+        """Copy a retry topic's record that is not due yet to the retry topic of the wait left,
+        its headers as they are (the same deferral count, due time and origin); True once the
+        broker has it. False: the caller runs it now (at its bucket's bound, as before)."""
+        origin = origin_of(record)
+        topic = retry_topic(origin[0], wait_s)
+        producer = self._producer()
+        where = "/".join(map(str, (record.topic, record.partition, record.offset)))
+        try:
+            if producer is None:
+                raise KafkaError("the transport is closed")
+            async with asyncio.timeout(self.timeout_s):
+                await producer.send_and_wait(
+                    topic, value=record.value, key=record.key, headers=list(record.headers or ())
+                )
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning(
+                "could not carry %s on to %s (%s); it runs now, %.0f s before it is due",
+                where,
+                topic,
+                exc.__class__.__name__ if isinstance(exc, TimeoutError) else exc,
+                wait_s,
+            )
+            return False
+        self.sent += 1
+        logger.debug("carried %s on to %s, %.0f s still to wait", where, topic, wait_s)
         return True
 
 

@@ -233,6 +233,7 @@ class KafkaTransport(Transport):
                 reply=self.replies.send,
                 batches_in_flight=self.options.depth,
                 defer=self.retries.send,
+                carry_on=self.retries.carry_on,
                 retry=retry if retry is not None and retry[0] in self._channels else None,
             )
         logger.info(

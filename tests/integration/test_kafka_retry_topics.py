@@ -148,6 +148,50 @@ async def test_a_copy_in_a_retry_topic_does_not_run_before_it_is_due(
     assert at >= due
 
 
+async def test_a_copy_due_after_its_buckets_bound_is_carried_on_until_it_is_due(
+    kafka_url: str, channel: str, store: ClaimStore
+) -> None:
+    """A copy in `.retry.5s` due in 12 s (as a deferral longer than the last bucket waits an
+    hour at a time): at its bucket's bound it is copied on to `.retry.30s` with its headers,
+    not run, and it runs once, as attempt 2, when it is due."""
+    broker = KafkaBroker(kafka_url, partitions=1)
+    runs: list[tuple[str, int, str, float]] = []
+    transport = broker.transport()
+    async with running(attempts_app(channel, runs), store, transport) as worker:
+        await broker.ready(channel, transport)
+        producer = await kafka.idempotent_producer(kafka.KafkaOptions.from_url(broker.url))
+        try:
+            due = time.time() + 12.0
+            await producer.send_and_wait(
+                f"{channel}.retry.5s",
+                value=body(1),
+                key=b"m1",
+                headers=[
+                    ("message-id", b"m1"),
+                    ("x-dedupe-deferrals", b"1"),
+                    ("x-dedupe-due-at", str(int(due * 1000)).encode()),
+                    ("x-dedupe-origin", f"{channel}/0/41".encode()),
+                ],
+                partition=0,
+            )
+        finally:
+            await producer.stop()
+
+        async def carried() -> bool:
+            return await end_offset(broker.url, f"{channel}.retry.30s") == 1
+
+        await eventually(carried, timeout_s=10)
+        assert runs == []
+
+        async def ran() -> bool:
+            return worker.stats.completed == 1
+
+        await eventually(ran, timeout_s=20)
+    [(key, attempt, on, at)] = runs
+    assert (key, attempt, on) == ("m1", 2, channel)
+    assert at >= due
+
+
 async def test_a_handler_retrying_after_6s_goes_through_the_retry_topic(
     kafka_url: str, channel: str, store: ClaimStore
 ) -> None:

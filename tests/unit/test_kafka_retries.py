@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -302,3 +303,21 @@ async def test_a_copy_the_broker_does_not_take_is_not_done(error: Exception | No
     record = Record(7, b"k")
     deferral = Settlement(Action.DEFER, delay_s=6)
     assert not await retries.send(record, to_message(record), deferral)
+
+
+def test_a_copy_due_after_its_buckets_bound_still_waits_and_a_far_or_near_one_does_not() -> None:
+    from dedupe_kafka.retries import still_waiting
+
+    now = 1_000_000.0
+
+    def record(due_s: float | None) -> Any:
+        headers = [] if due_s is None else [("x-dedupe-due-at", str(int(due_s * 1000)).encode())]
+        return SimpleNamespace(headers=headers)
+
+    assert still_waiting(record(now + 7200), now) == 7200  # two hours: on to the 1 h topic
+    assert still_waiting(record(now + 0.5), now) == 0  # within the slack: run it now
+    assert still_waiting(record(now - 10), now) == 0
+    assert still_waiting(record(None), now) == 0
+    assert still_waiting(record(now + 30 * 24 * 3600), now) == 0  # not a deferral we wrote
+    bad = SimpleNamespace(headers=[("x-dedupe-due-at", b"soon")])
+    assert still_waiting(bad, now) == 0
