@@ -181,9 +181,45 @@ class Retries:
         origin = origin_of(record)
         topic = retry_topic(origin[0], settlement.delay_s)
         due_ms = int((time.time() + settlement.delay_s) * 1000)
-        headers = retry_headers(record, message.attempt, due_ms, origin)
+        failed = await self._write(
+            record, topic, retry_headers(record, message.attempt, due_ms, origin)
+        )
+        if failed is not None:
+            logger.warning(
+                "could not write the deferral of %s to %s (%s); holding it in memory",
+                _where(record),
+                topic,
+                failed,
+                extra={"message_id": message.message_id, "channel": origin[0]},
+            )
+            return False
+        logger.debug("deferred %s to %s for %.1fs", _where(record), topic, settlement.delay_s)
+        return True
+
+    async def carry_on(self, record: ConsumerRecord, wait_s: float) -> bool:
+        """Copy a retry topic's record that is not due yet to the retry topic of the wait left,
+        its headers as they are (the same deferral count, due time and origin); True once the
+        broker has it. False: the caller runs it now (at its bucket's bound, as before)."""
+        topic = retry_topic(origin_of(record)[0], wait_s)
+        failed = await self._write(record, topic, list(record.headers or ()))
+        if failed is not None:
+            logger.warning(
+                "could not carry %s on to %s (%s); it runs now, %.0f s before it is due",
+                _where(record),
+                topic,
+                failed,
+                wait_s,
+            )
+            return False
+        logger.debug("carried %s on to %s, %.0f s still to wait", _where(record), topic, wait_s)
+        return True
+
+    async def _write(
+        self, record: ConsumerRecord, topic: str, headers: list[tuple[str, bytes]]
+    ) -> str | None:
+        """Write the record's copy with these headers, one try bounded by `timeout_s`; None
+        once the broker has it, else what went wrong."""
         producer = self._producer()
-        where = "/".join(map(str, (record.topic, record.partition, record.offset)))
         try:
             if producer is None:
                 raise KafkaError("the transport is closed")
@@ -191,46 +227,16 @@ class Retries:
                 await producer.send_and_wait(
                     topic, value=record.value, key=record.key, headers=headers
                 )
-        except (KafkaError, TimeoutError) as exc:
-            logger.warning(
-                "could not write the deferral of %s to %s (%s); holding it in memory",
-                where,
-                topic,
-                exc.__class__.__name__ if isinstance(exc, TimeoutError) else exc,
-                extra={"message_id": message.message_id, "channel": origin[0]},
-            )
-            return False
+        except TimeoutError as exc:
+            return exc.__class__.__name__
+        except KafkaError as exc:
+            return str(exc)
         self.sent += 1
-        logger.debug("deferred %s to %s for %.1fs", where, topic, settlement.delay_s)
-        return True
+        return None
 
-    async def carry_on(self, record: ConsumerRecord, wait_s: float) -> bool:
-        """Copy a retry topic's record that is not due yet to the retry topic of the wait left,
-        its headers as they are (the same deferral count, due time and origin); True once the
-        broker has it. False: the caller runs it now (at its bucket's bound, as before)."""
-        origin = origin_of(record)
-        topic = retry_topic(origin[0], wait_s)
-        producer = self._producer()
-        where = "/".join(map(str, (record.topic, record.partition, record.offset)))
-        try:
-            if producer is None:
-                raise KafkaError("the transport is closed")
-            async with asyncio.timeout(self.timeout_s):
-                await producer.send_and_wait(
-                    topic, value=record.value, key=record.key, headers=list(record.headers or ())
-                )
-        except (KafkaError, TimeoutError) as exc:
-            logger.warning(
-                "could not carry %s on to %s (%s); it runs now, %.0f s before it is due",
-                where,
-                topic,
-                exc.__class__.__name__ if isinstance(exc, TimeoutError) else exc,
-                wait_s,
-            )
-            return False
-        self.sent += 1
-        logger.debug("carried %s on to %s, %.0f s still to wait", where, topic, wait_s)
-        return True
+
+def _where(record: ConsumerRecord) -> str:
+    return "/".join(map(str, (record.topic, record.partition, record.offset)))
 
 
 def topics_of(channels: Iterable[str]) -> list[str]:

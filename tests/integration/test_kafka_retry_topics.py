@@ -45,6 +45,27 @@ async def end_offset(url: str, topic: str) -> int:
     return sum(ends.values())
 
 
+async def write_copy(broker: KafkaBroker, topic: str, channel: str, due: float) -> None:
+    """A copy of message m1 (deferred once, from offset 41 of the channel) in a retry topic,
+    due at `due` (epoch seconds), as a worker writes it."""
+    producer = await kafka.idempotent_producer(kafka.KafkaOptions.from_url(broker.url))
+    try:
+        await producer.send_and_wait(
+            topic,
+            value=body(1),
+            key=b"m1",
+            headers=[
+                ("message-id", b"m1"),
+                ("x-dedupe-deferrals", b"1"),
+                ("x-dedupe-due-at", str(int(due * 1000)).encode()),
+                ("x-dedupe-origin", f"{channel}/0/41".encode()),
+            ],
+            partition=0,
+        )
+    finally:
+        await producer.stop()
+
+
 def attempts_app(channel: str, runs: list[tuple[str, int, str, float]], **options: Any) -> App:
     """Records (key, the message's attempt, its channel, when) of each run."""
     app = App("t")
@@ -116,23 +137,8 @@ async def test_a_copy_in_a_retry_topic_does_not_run_before_it_is_due(
     transport = broker.transport()
     async with running(attempts_app(channel, runs), store, transport) as worker:
         await broker.ready(channel, transport)
-        producer = await kafka.idempotent_producer(kafka.KafkaOptions.from_url(broker.url))
-        try:
-            due = time.time() + 3.0
-            await producer.send_and_wait(
-                retry_topic,
-                value=body(1),
-                key=b"m1",
-                headers=[
-                    ("message-id", b"m1"),
-                    ("x-dedupe-deferrals", b"1"),
-                    ("x-dedupe-due-at", str(int(due * 1000)).encode()),
-                    ("x-dedupe-origin", f"{channel}/0/41".encode()),
-                ],
-                partition=0,
-            )
-        finally:
-            await producer.stop()
+        due = time.time() + 3.0
+        await write_copy(broker, retry_topic, channel, due)
         await asyncio.sleep(1.5)
         assert runs == []
         # Not committed past while it waits.
@@ -159,23 +165,8 @@ async def test_a_copy_due_after_its_buckets_bound_is_carried_on_until_it_is_due(
     transport = broker.transport()
     async with running(attempts_app(channel, runs), store, transport) as worker:
         await broker.ready(channel, transport)
-        producer = await kafka.idempotent_producer(kafka.KafkaOptions.from_url(broker.url))
-        try:
-            due = time.time() + 12.0
-            await producer.send_and_wait(
-                f"{channel}.retry.5s",
-                value=body(1),
-                key=b"m1",
-                headers=[
-                    ("message-id", b"m1"),
-                    ("x-dedupe-deferrals", b"1"),
-                    ("x-dedupe-due-at", str(int(due * 1000)).encode()),
-                    ("x-dedupe-origin", f"{channel}/0/41".encode()),
-                ],
-                partition=0,
-            )
-        finally:
-            await producer.stop()
+        due = time.time() + 12.0
+        await write_copy(broker, f"{channel}.retry.5s", channel, due)
 
         async def carried() -> bool:
             return await end_offset(broker.url, f"{channel}.retry.30s") == 1
