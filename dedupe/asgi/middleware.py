@@ -7,8 +7,9 @@ fingerprint of its method, path, query and body. Ours: the endpoint runs, and it
 `request.state.idempotency.db` writes commit with its stored response before the first byte
 goes out (dedupe.asgi.run); answers that are not stored (401, 403, 408, 409, 425, 429, 5xx, or
 as `store_status=` says) roll back and give the key back. A finished key replays; another
-request under the key is a 422; one still running a 409 (or a wait of up to `wait_s`). See
-docs/http-api.md.
+request under the key is a 422; one still running a 409 (or a wait of up to `wait_s`). With
+`one_transaction=`, a new key's claim commits with the response in one transaction
+(dedupe.asgi.one_transaction). See docs/http-api.md.
 """
 
 from __future__ import annotations
