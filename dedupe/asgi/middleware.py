@@ -60,7 +60,15 @@ from dedupe.claims.fingerprints import FingerprintSpec, compile_fingerprint
 from dedupe.claims.keys import KeySpec, compile_key
 from dedupe.claims.records import ClaimRequest, Fence
 from dedupe.claims.store import ClaimStore
-from dedupe.claims.verdicts import Claims, InFlight, Ours, Terms, Unavailable, Verdict
+from dedupe.claims.verdicts import (
+    Claims,
+    Duplicate,
+    InFlight,
+    Ours,
+    Terms,
+    Unavailable,
+    Verdict,
+)
 from dedupe.context import Database
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import ConfigurationError, SchemaMismatch, StoreError
@@ -427,8 +435,9 @@ class IdempotencyMiddleware:
         body: bytes,
         tally: _Tally,
     ) -> tuple[str, str | None] | None:
-        """Claim, run and store in one transaction (dedupe.asgi.one_transaction); None when the
-        key has a committed row: the two-commit claim decides (nothing was written)."""
+        """Claim, run and store in one transaction (dedupe.asgi.one_transaction); a replay is
+        answered from the claim's read; None when the key has another committed row: the
+        two-commit claim decides (nothing was written)."""
         assert self._leases is not None
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
@@ -439,8 +448,8 @@ class IdempotencyMiddleware:
         db = one_tx.ClaimTransaction(store.pool, conn)
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):  # the lock wait is bounded below it
-                token = await one_tx.claim(
-                    store, db, request, self.bounds, retention_s=self.terms.retention_s
+                claimed = await one_tx.claim(
+                    db, request, self.bounds, owner=self.owner, retention_s=self.terms.retention_s
                 )
         except asyncpg.LockNotAvailableError:
             await db.close()
@@ -452,10 +461,13 @@ class IdempotencyMiddleware:
         except BaseException:
             await db.close()
             raise
-        if token is None:
+        if claimed.token is None:
             await db.close()
+            if claimed.replay:  # answered from the claim's own read
+                duplicate = Duplicate("completed", claimed.result)
+                return await answer_for(send, request, duplicate, self._activity)
             return None
-        fence = Fence(request.scope, request.key, token)
+        fence = Fence(request.scope, request.key, claimed.token)
         run = one_tx.OneTransactionRun(
             app=self.app,
             store=store,

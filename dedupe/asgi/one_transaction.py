@@ -3,14 +3,15 @@ endpoint's `request.state.idempotency.db` writes, its publishes and its stored r
 together, on one pooled connection, in one COMMIT.
 
     BEGIN; SET LOCAL lock_timeout, idle_in_transaction_session_timeout, statement_timeout
-    INSERT the claim where the key has no row (claim_one_transaction: attempts = 1)
+    INSERT the claim where the key has no row (attempts = 1), or read the committed row
     the endpoint, with request.state.idempotency.db on this transaction, under the bound
     the fenced completion with the response and the outbox rows; COMMIT (with the pool's reset)
     then the response goes out
 
-Only a key without any committed row is claimed here; a key with one (a replay, a conflict, a
-key given back after a failed attempt) is left to the two-commit claim, which decides as it
-always does. A concurrent duplicate meets the uncommitted row and waits on it (its
+Only a key without any committed row is claimed here. A key with one is answered from the
+same statement when it is a replay (completed, the same request); any other (a conflict, a key
+in flight, one given back after a failed attempt) is left to the two-commit claim, which
+decides as it always does. A concurrent duplicate meets the uncommitted row and waits on it (its
 `lock_timeout`), then finds the key completed (a replay) or free (it runs); past the wait it
 gets the 409 of a key in flight. Every answer that gives the key back (a 5xx, an exception,
 a status not stored, the bound) rolls the whole transaction back, claim included, then commits
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +36,10 @@ from dedupe.asgi.problems import Problem
 from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun
 from dedupe.claims.completion import Completion
 from dedupe.claims.records import ClaimRequest
-from dedupe.claims.store import ClaimStore
 from dedupe.context import Database
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import DedupeError
+from dedupe.sql import queries
 
 logger = logging.getLogger("dedupe.asgi")
 
@@ -144,20 +146,55 @@ class ClaimTransaction(Database):
                 await self.pool.release(conn)
 
 
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What the claim in the transaction found: our token, or the committed row in the way
+    (its status, stored result and whether this request is the same), or nothing visible (a
+    row committed while the claim waited on it)."""
+
+    token: int | None
+    status: str | None = None
+    result: str | None = None
+    same_payload: bool | None = None
+
+    @property
+    def replay(self) -> bool:
+        """A finished key and the same request: its stored answer is the reply."""
+        return self.status == "completed" and self.same_payload is True
+
+
 async def claim(
-    store: ClaimStore,
     db: ClaimTransaction,
     request: ClaimRequest,
     bounds: Bounds,
     *,
+    owner: str,
     retention_s: float,
-) -> int | None:
-    """BEGIN with the bounds and claim the key inside the transaction: our token, or None when
-    the key has a committed row (then the transaction is to be rolled back). A key another
-    transaction holds raises asyncpg.LockNotAvailableError after bounds.lock_s."""
+) -> Claimed:
+    """BEGIN with the bounds and claim the key inside the transaction (dedupe/sql/http.sql,
+    claim_in_transaction), in two round trips. A key another transaction holds raises
+    asyncpg.LockNotAvailableError after bounds.lock_s; driver errors are raised as they come."""
     assert db.conn is not None
     await db.conn.execute(bounds.begin())
-    return await store.claim_in(db.conn, request, lease_s=bounds.run_s, retention_s=retention_s)
+    row = await db.conn.fetchrow(
+        queries("http.sql")["claim_in_transaction"],
+        request.scope,
+        request.key,
+        request.payload_hash,
+        request.fingerprint,
+        request.raw_hash,
+        request.payload,
+        owner,
+        float(bounds.run_s),
+        float(retention_s),
+        secrets.randbits(63),
+    )
+    if row is None:  # pragma: no cover - the statement answers one row
+        return Claimed(None)
+    token = row["token"]
+    return Claimed(
+        None if token is None else int(token), row["status"], row["result"], row["same_payload"]
+    )
 
 
 class NeedsTwoCommits(DedupeError):
