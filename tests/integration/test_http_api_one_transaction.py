@@ -185,6 +185,18 @@ async def test_a_concurrent_duplicate_waits_on_the_row_lock_then_replays(
     assert await db.fetchval("SELECT count(*) FROM orders") == 1
 
 
+async def test_a_concurrent_request_with_another_body_waits_then_gets_422(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    first = asyncio.ensure_future(post(api, "d-2", {"a": 1}, "/slow", params={"s": 0.6}))
+    await until(lambda: open_transactions(db))
+    other = asyncio.ensure_future(post(api, "d-2", {"a": 2}, "/slow", params={"s": 0.6}))
+    await until(lambda: waiting_on_a_lock(db))
+    one, two = await first, await other
+    assert one.status_code == 201 and two.status_code == 422, two.text
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+
+
 async def test_twenty_concurrent_copies_make_one_order(
     api: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
