@@ -214,6 +214,7 @@ class IdempotencyMiddleware:
         self.store: ClaimStore | None = None
         self._claims: Claims | None = None
         self._leases: HttpLeases | None = None
+        self._look_ups: one_tx.LookUps | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._activity: Activity | None = None
         self._opening = asyncio.Lock()
@@ -254,6 +255,7 @@ class IdempotencyMiddleware:
             stack.push_async_callback(_cancelled, beating)
             self._activity = await stack.enter_async_context(Activity(store))
             self._claims, self._leases, self._stack = Claims(claim_store), leases, stack
+            self._look_ups = one_tx.LookUps(claim_pool)
             self.store = store
             return store
 
@@ -396,9 +398,16 @@ class IdempotencyMiddleware:
         if self._claims is None or self._leases is None:
             return await answer(send, db_down(), "unavailable")
         if self.one_transaction(str(scope["method"]), str(scope.get("path", ""))):
-            ran = await self._in_one_transaction(scope, receive, send, store, request, body, tally)
-            if ran is not None:
-                return ran
+            found = await self._look_up(request)
+            if found is not None and found.replay:
+                duplicate = Duplicate("completed", found.result)
+                return await answer_for(send, request, duplicate, self._activity)
+            if found is None or found.status is None:  # no row: ours to claim in one
+                ran = await self._in_one_transaction(
+                    scope, receive, send, store, request, body, tally
+                )
+                if ran is not None:
+                    return ran
         verdict = await self._claim_or_wait(request)
         if not isinstance(verdict, Ours):
             verdict = await recorded(store, scope, request, verdict)  # a 422 is recorded first
@@ -424,6 +433,17 @@ class IdempotencyMiddleware:
         )
         run.effects = RunEffects(db, verdict.fence, cancel=run.lose)
         return await self._run(scope, receive, run, request, body, tally)
+
+    async def _look_up(self, request: ClaimRequest) -> one_tx.Claimed | None:
+        """The key's committed row, read in a statement shared by concurrent requests; None
+        when the read failed (the claim finds out)."""
+        assert self._look_ups is not None
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                return await self._look_ups.look_up(request)
+        except (*TRANSIENT_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
+            logger.warning("key %s: reading its row failed: %r", request.key, exc)
+            return None
 
     async def _in_one_transaction(
         self,

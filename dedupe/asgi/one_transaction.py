@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ import asyncpg
 
 from dedupe.asgi.problems import Problem
 from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun
+from dedupe.claims.batching import Batcher
 from dedupe.claims.completion import Completion
 from dedupe.claims.records import ClaimRequest
 from dedupe.context import Database
@@ -197,6 +198,35 @@ async def claim(
     )
 
 
+class LookUps:
+    """The committed rows of keys about to be claimed in one transaction, read in statements
+    shared by concurrent requests (dedupe.claims.batching), on the claims' pool: a replay is
+    answered by the read, as the two-commit claim answers it, and never takes a connection of
+    its own nor opens a transaction."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        self._batcher: Batcher[ClaimRequest, Claimed] = Batcher(self._flush)
+
+    async def look_up(self, request: ClaimRequest) -> Claimed:
+        """The row of the key (token None); raises what the read raised."""
+        [found] = await self._batcher.submit_many([request])
+        return found
+
+    async def _flush(self, batch: Sequence[ClaimRequest]) -> list[Claimed]:
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(
+                queries("http.sql")["look_up"],
+                [r.scope for r in batch],
+                [r.key for r in batch],
+                [r.payload_hash for r in batch],
+                [r.fingerprint for r in batch],
+                [r.raw_hash for r in batch],
+            )
+            conn.mark_clean()  # a read: no session state to reset
+        return [Claimed(None, r["status"], r["result"], r["same_payload"]) for r in rows]
+
+
 class NeedsTwoCommits(DedupeError):
     """request.state.idempotency.step in a one-transaction request: a step's record commits on
     its own before the external call it guards can be trusted not to repeat, which a request
@@ -315,6 +345,8 @@ def _closed(conn: asyncpg.Connection) -> bool:
 __all__ = [
     "Bounds",
     "ClaimTransaction",
+    "Claimed",
+    "LookUps",
     "NeedsTwoCommits",
     "OneTransactionRun",
     "claim",

@@ -36,3 +36,19 @@ SELECT cl.token, set_config('lock_timeout', '0', true) AS lock_timeout,
 FROM (SELECT 1) AS one
 LEFT JOIN claimed cl ON true
 LEFT JOIN dedupe_claims e ON cl.token IS NULL AND e.scope = $1::text AND e.key = $2::text;
+
+-- name: look_up
+-- Before a one-transaction claim: the rows of many keys in one read, shared by concurrent
+-- requests (no lock, no write, no transaction id). A key without a row goes on to
+-- claim_in_transaction; a replay (completed, the same request) is answered from here, as the
+-- two-commit claim_batch answers it from its own read; any other row goes to claim_batch.
+-- $1 scopes, $2 keys, $3 payload hashes, $4 fingerprint schemes, $5 raw hashes (one per key).
+SELECT e.status, e.result::text AS result,
+       CASE WHEN e.status IS NULL THEN NULL
+            WHEN e.fingerprint IS NOT DISTINCT FROM i.fingerprint THEN e.payload_hash = i.payload_hash
+            WHEN e.fingerprint IS NULL THEN e.payload_hash = coalesce(i.raw_hash, i.payload_hash)
+            ELSE true END AS same_payload
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bytea[])
+         WITH ORDINALITY AS i(scope, key, payload_hash, fingerprint, raw_hash, n)
+LEFT JOIN dedupe_claims e ON e.scope = i.scope AND e.key = i.key
+ORDER BY i.n;
