@@ -167,8 +167,10 @@ async def phase(
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    cpu_before = server_cpu_s(port)
     await asyncio.gather(*(client() for _ in range(connections)))
     elapsed = time.perf_counter() - begin
+    cpu_s = server_cpu_s(port) - cpu_before
     ms = sorted(x * 1000 for x in latencies)
     q = statistics.quantiles(ms, n=100, method="inclusive")
     return {
@@ -177,6 +179,9 @@ async def phase(
         "p50_ms": q[49],
         "p99_ms": q[98],
         "statuses": dict(sorted(statuses.items())),
+        # The server process's CPU (user + system) per request: steadier than the rate on a
+        # shared machine (the database's own work is not in it).
+        "cpu_ms": cpu_s * 1000 / max(1, len(ms)),
     }
 
 
@@ -193,6 +198,22 @@ async def wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
     raise SystemExit("a server did not start")
 
 
+# The server processes by port, for their CPU time.
+PROCESSES: dict[int, asyncio.subprocess.Process] = {}
+
+
+def server_cpu_s(port: int) -> float:
+    """User + system CPU seconds of the server on `port` so far (Linux /proc)."""
+    proc = PROCESSES.get(port)
+    if proc is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.asynccontextmanager
 async def server(factory: str, db_url: str) -> AsyncIterator[int]:
     port = free_port()
@@ -201,7 +222,7 @@ async def server(factory: str, db_url: str) -> AsyncIterator[int]:
         "DEDUPE_DATABASE_URL": db_url,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "consumers")]),
     }
-    proc = await asyncio.create_subprocess_exec(
+    proc = PROCESSES[port] = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "uvicorn", "--factory", f"bench.http_api:{factory}"],
         *["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         cwd=ROOT,
@@ -223,7 +244,7 @@ async def server(factory: str, db_url: str) -> AsyncIterator[int]:
 def line(name: str, result: dict[str, Any]) -> str:
     return (
         f"| {name} | {result['requests']} | {result['rate']:,.0f} | {result['p50_ms']:.2f} | "
-        f"{result['p99_ms']:.2f} | {result['statuses']} |"
+        f"{result['p99_ms']:.2f} | {result['cpu_ms']:.2f} | {result['statuses']} |"
     )
 
 
@@ -321,7 +342,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             f"(target >= 2), p99 added at half load "
             f"{medians[f'p99_added_at_half_load_ms_{mode}']:.2f} ms (target <= 10)"
         )
-    return {"rounds": rounds, "medians": medians}
+    cpu = {
+        phase: statistics.median(f[phase]["cpu_ms"] for f in rounds)
+        for phase in ["endpoint", *(f"{w}_{m}" for w in ("new_keys", "replays") for m in MODES)]
+    }
+    print(
+        "  server CPU ms per request (medians): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
+    )
+    return {"rounds": rounds, "medians": medians, "cpu_ms_medians": cpu}
 
 
 def print_round(r: int, figures: dict[str, Any], c: int, n: int) -> None:
@@ -330,7 +359,10 @@ def print_round(r: int, figures: dict[str, Any], c: int, n: int) -> None:
         f"\nround {r + 1} (modes in the order {', '.join(figures['order'])}): POST /orders, "
         f"{c} keep-alive connections, {n} requests per phase\n"
     )
-    print("| phase | requests | req/s | p50 ms | p99 ms | statuses |\n|---|---|---|---|---|---|")
+    print(
+        "| phase | requests | req/s | p50 ms | p99 ms | server CPU ms/req | statuses |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     print(line("endpoint alone", figures["endpoint"]))
     for mode in MODES:
         print(line(f"new keys, {mode}", figures[f"new_keys_{mode}"]))
