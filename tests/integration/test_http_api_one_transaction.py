@@ -210,21 +210,21 @@ async def test_twenty_concurrent_copies_make_one_order(
 async def test_a_duplicate_that_waits_past_lock_timeout_gets_409(
     orders_db: str, db: asyncpg.Connection
 ) -> None:
-    """lease_s=1.5: lock_timeout 0.5 s. The duplicate of a request that runs 1.2 s gives up
+    """lease_s=3: lock_timeout 1 s. The duplicate of a request that runs 2.5 s gives up
     waiting with 409 in-flight and Retry-After: 1; the first completes; the retry replays."""
-    asgi = create_test_api(orders_db, one_transaction=True, lease_s=1.5)
+    asgi = create_test_api(orders_db, one_transaction=True, lease_s=3.0)
     async with serving(asgi) as base, client_of(base) as client:
-        first = asyncio.ensure_future(post(client, "t-1", {}, "/slow", params={"s": 1.2}))
+        first = asyncio.ensure_future(post(client, "t-1", {}, "/slow", params={"s": 2.5}))
         await until(lambda: open_transactions(db))
         started = time.monotonic()
-        duplicate = await post(client, "t-1", {}, "/slow", params={"s": 1.2})
+        duplicate = await post(client, "t-1", {}, "/slow", params={"s": 2.5})
         waited = time.monotonic() - started
         one = await first
-        retry = await post(client, "t-1", {}, "/slow", params={"s": 1.2})
+        retry = await post(client, "t-1", {}, "/slow", params={"s": 2.5})
     assert duplicate.status_code == 409, duplicate.text
     assert duplicate.headers["retry-after"] == "1"
     assert duplicate.json()["type"] == "urn:dedupe-worker:problem:in-flight"
-    assert 0.4 < waited < 1.1
+    assert 0.9 < waited < 2.4
     assert one.status_code == 201 and retry.content == one.content
     assert retry.headers["idempotent-replayed"] == "true"
     assert await db.fetchval("SELECT count(*) FROM orders") == 1
