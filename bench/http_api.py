@@ -1,17 +1,23 @@
 """Benchmark of dedupe.asgi: the orders endpoint with and without IdempotencyMiddleware.
 
     .venv/bin/python -m bench.http_api [--requests 3000] [--connections 16] [--half-load-s 10]
+                                       [--rounds 1]
 
 (Named http_api, not http: a module `http` in bench/ would shadow the standard library's for
 any script run as `python bench/<script>.py`.)
 
-Two uvicorn processes on 127.0.0.1 serve handlers/orders_api.py's `POST /orders` (an insert,
-201 with the id) on a fresh database: one behind the middleware, one with the same endpoint in
-a plain transaction of its own (the endpoint's own rate). A keep-alive HTTP/1.1 load generator
-(asyncio streams) measures requests/s and p50/p99 for the endpoint alone, new keys (claim +
-insert + stored response in one transaction) and replays (claim finds the response), then p99
-of the endpoint alone and of new keys at half the endpoint's rate. Targets: replays >= 2x the
-endpoint's rate, new keys >= 0.7x, p99 added <= 10 ms at half load. One run; not in the tests.
+Three uvicorn processes on 127.0.0.1 serve handlers/orders_api.py's `POST /orders` (an insert,
+201 with the id) on a fresh database: one behind the middleware on two commits (the claim, then
+the insert with the stored response), one behind the middleware with `one_transaction=True`
+(claim, insert and stored response in one commit), one with the same endpoint in a plain
+transaction of its own (the endpoint's own rate). A keep-alive HTTP/1.1 load generator (asyncio
+streams) measures requests/s and p50/p99 for the endpoint alone, new keys and replays (the
+claim finds the response) in each mode, then p99 of the endpoint alone and of new keys in each
+mode at half the endpoint's rate. With --rounds N the phases run N times, the two modes in
+alternating order (interleaved pairs on a shared machine), each round against the endpoint
+measured just before it; the figures reported are each round's and their medians. Targets:
+replays >= 2x the endpoint's rate, new keys >= 0.7x, p99 added <= 10 ms at half load. Not in
+the tests.
 """
 
 from __future__ import annotations
@@ -50,6 +56,18 @@ def with_middleware() -> Any:
     return create_api(
         os.environ["DEDUPE_DATABASE_URL"],
         principal_secret=os.environ.get("DEDUPE_HTTP_SECRET") or "bench-only-principal-secret",
+    )
+
+
+def with_one_transaction() -> Any:
+    """The orders API with one transaction per new key (IdempotencyMiddleware(one_transaction=
+    True))."""
+    from handlers.orders_api import create_api
+
+    return create_api(
+        os.environ["DEDUPE_DATABASE_URL"],
+        principal_secret=os.environ.get("DEDUPE_HTTP_SECRET") or "bench-only-principal-secret",
+        one_transaction=True,
     )
 
 
@@ -149,8 +167,10 @@ async def phase(
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
+    cpu_before = server_cpu_s(port)
     await asyncio.gather(*(client() for _ in range(connections)))
     elapsed = time.perf_counter() - begin
+    cpu_s = server_cpu_s(port) - cpu_before
     ms = sorted(x * 1000 for x in latencies)
     q = statistics.quantiles(ms, n=100, method="inclusive")
     return {
@@ -159,6 +179,9 @@ async def phase(
         "p50_ms": q[49],
         "p99_ms": q[98],
         "statuses": dict(sorted(statuses.items())),
+        # The server process's CPU (user + system) per request: steadier than the rate on a
+        # shared machine (the database's own work is not in it).
+        "cpu_ms": cpu_s * 1000 / max(1, len(ms)),
     }
 
 
@@ -175,6 +198,22 @@ async def wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
     raise SystemExit("a server did not start")
 
 
+# The server processes by port, for their CPU time.
+PROCESSES: dict[int, asyncio.subprocess.Process] = {}
+
+
+def server_cpu_s(port: int) -> float:
+    """User + system CPU seconds of the server on `port` so far (Linux /proc)."""
+    proc = PROCESSES.get(port)
+    if proc is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextlib.asynccontextmanager
 async def server(factory: str, db_url: str) -> AsyncIterator[int]:
     port = free_port()
@@ -183,7 +222,7 @@ async def server(factory: str, db_url: str) -> AsyncIterator[int]:
         "DEDUPE_DATABASE_URL": db_url,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "consumers")]),
     }
-    proc = await asyncio.create_subprocess_exec(
+    proc = PROCESSES[port] = await asyncio.create_subprocess_exec(
         *[sys.executable, "-m", "uvicorn", "--factory", f"bench.http_api:{factory}"],
         *["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         cwd=ROOT,
@@ -205,8 +244,11 @@ async def server(factory: str, db_url: str) -> AsyncIterator[int]:
 def line(name: str, result: dict[str, Any]) -> str:
     return (
         f"| {name} | {result['requests']} | {result['rate']:,.0f} | {result['p50_ms']:.2f} | "
-        f"{result['p99_ms']:.2f} | {result['statuses']} |"
+        f"{result['p99_ms']:.2f} | {result['cpu_ms']:.2f} | {result['statuses']} |"
     )
+
+
+MODES = {"two_commits": "with_middleware", "one_transaction": "with_one_transaction"}
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -215,50 +257,126 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
     run = uuid.uuid4().hex[:8]
     c, n = args.connections, args.requests
+    rounds: list[dict[str, Any]] = []
     async with fresh_database() as db_url:
         await setup(db_url)
-        async with server("without", db_url) as plain, server("with_middleware", db_url) as guarded:
+        async with contextlib.AsyncExitStack() as stack:
+            plain = await stack.enter_async_context(server("without", db_url))
+            ports = {
+                mode: await stack.enter_async_context(server(factory, db_url))
+                for mode, factory in MODES.items()
+            }
             limit = time.monotonic() + args.time_limit_s
             warm = min(300, n)
             await phase(plain, [None] * warm, connections=c, deadline=limit)
-            warm_keys: list[str | None] = [f"warm-{i}" for i in range(warm)]
-            await phase(guarded, warm_keys, connections=c, deadline=limit)
-            keys: list[str | None] = [f"{run}-{i}" for i in range(n)]
-            base = await phase(plain, [None] * n, connections=c, deadline=time.monotonic() + 120)
-            new = await phase(guarded, keys, connections=c, deadline=time.monotonic() + 120)
-            replay = await phase(guarded, keys, connections=c, deadline=time.monotonic() + 120)
-            half = base["rate"] / 2
-            count = int(half * args.half_load_s)
-            half_keys: list[str | None] = [f"{run}-half-{i}" for i in range(count)]
-            base_half = await phase(
-                plain, [None] * count, connections=c, rate=half, deadline=time.monotonic() + 120
-            )
-            new_half = await phase(
-                guarded, half_keys, connections=c, rate=half, deadline=time.monotonic() + 120
-            )
-    report = {
-        "endpoint": base,
-        "new_keys": new,
-        "replays": replay,
-        "endpoint_half_load": base_half,
-        "new_keys_half_load": new_half,
-        "replays_vs_endpoint": replay["rate"] / base["rate"],
-        "new_keys_vs_endpoint": new["rate"] / base["rate"],
-        "p99_added_at_half_load_ms": new_half["p99_ms"] - base_half["p99_ms"],
+            for mode, port in ports.items():
+                warm_keys: list[str | None] = [f"warm-{mode}-{i}" for i in range(warm)]
+                await phase(port, warm_keys, connections=c, deadline=limit)
+            for r in range(args.rounds):
+                order = list(ports) if r % 2 == 0 else list(reversed(ports))
+                figures: dict[str, Any] = {"order": order}
+                figures["endpoint"] = await phase(
+                    plain, [None] * n, connections=c, deadline=time.monotonic() + 120
+                )
+                keys = {m: [f"{run}-{r}-{m}-{i}" for i in range(n)] for m in order}
+                for mode in order:
+                    figures[f"new_keys_{mode}"] = await phase(
+                        ports[mode],
+                        list(keys[mode]),
+                        connections=c,
+                        deadline=time.monotonic() + 120,
+                    )
+                for mode in order:
+                    figures[f"replays_{mode}"] = await phase(
+                        ports[mode],
+                        list(keys[mode]),
+                        connections=c,
+                        deadline=time.monotonic() + 120,
+                    )
+                half = figures["endpoint"]["rate"] / 2
+                count = int(half * args.half_load_s)
+                figures["half_rate"] = half
+                figures["endpoint_half_load"] = await phase(
+                    plain,
+                    [None] * count,
+                    connections=c,
+                    rate=half,
+                    deadline=time.monotonic() + 120,
+                )
+                for mode in order:
+                    half_keys: list[str | None] = [
+                        f"{run}-{r}-{mode}-half-{i}" for i in range(count)
+                    ]
+                    figures[f"new_keys_half_load_{mode}"] = await phase(
+                        ports[mode],
+                        half_keys,
+                        connections=c,
+                        rate=half,
+                        deadline=time.monotonic() + 120,
+                    )
+                for mode in order:
+                    base = figures["endpoint"]
+                    figures[f"new_keys_vs_endpoint_{mode}"] = (
+                        figures[f"new_keys_{mode}"]["rate"] / base["rate"]
+                    )
+                    figures[f"replays_vs_endpoint_{mode}"] = (
+                        figures[f"replays_{mode}"]["rate"] / base["rate"]
+                    )
+                    figures[f"p99_added_at_half_load_ms_{mode}"] = (
+                        figures[f"new_keys_half_load_{mode}"]["p99_ms"]
+                        - figures["endpoint_half_load"]["p99_ms"]
+                    )
+                rounds.append(figures)
+                print_round(r, figures, c, n)
+    ratios = [
+        f"{what}_{mode}"
+        for mode in MODES
+        for what in ("new_keys_vs_endpoint", "replays_vs_endpoint", "p99_added_at_half_load_ms")
+    ]
+    medians = {name: statistics.median(f[name] for f in rounds) for name in ratios}
+    print(f"\nmedians over {len(rounds)} round(s):")
+    for mode in MODES:
+        print(
+            f"  {mode}: new keys {medians[f'new_keys_vs_endpoint_{mode}']:.2f}x the endpoint "
+            f"(target >= 0.7), replays {medians[f'replays_vs_endpoint_{mode}']:.2f}x "
+            f"(target >= 2), p99 added at half load "
+            f"{medians[f'p99_added_at_half_load_ms_{mode}']:.2f} ms (target <= 10)"
+        )
+    cpu = {
+        phase: statistics.median(f[phase]["cpu_ms"] for f in rounds)
+        for phase in ["endpoint", *(f"{w}_{m}" for w in ("new_keys", "replays") for m in MODES)]
     }
-    print(f"\nPOST /orders, {c} keep-alive connections, {n} requests per phase\n")
-    print("| phase | requests | req/s | p50 ms | p99 ms | statuses |\n|---|---|---|---|---|---|")
-    print(line("endpoint alone", base))
-    print(line("new keys", new))
-    print(line("replays", replay))
-    print(line(f"endpoint alone at {half:,.0f}/s", base_half))
-    print(line(f"new keys at {half:,.0f}/s", new_half))
     print(
-        f"\nreplays {report['replays_vs_endpoint']:.2f}x the endpoint (target >= 2), new keys "
-        f"{report['new_keys_vs_endpoint']:.2f}x (target >= 0.7), p99 added at half load "
-        f"{report['p99_added_at_half_load_ms']:.2f} ms (target <= 10)"
+        "  server CPU ms per request (medians): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
     )
-    return report
+    return {"rounds": rounds, "medians": medians, "cpu_ms_medians": cpu}
+
+
+def print_round(r: int, figures: dict[str, Any], c: int, n: int) -> None:
+    half = figures["half_rate"]
+    print(
+        f"\nround {r + 1} (modes in the order {', '.join(figures['order'])}): POST /orders, "
+        f"{c} keep-alive connections, {n} requests per phase\n"
+    )
+    print(
+        "| phase | requests | req/s | p50 ms | p99 ms | server CPU ms/req | statuses |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    print(line("endpoint alone", figures["endpoint"]))
+    for mode in MODES:
+        print(line(f"new keys, {mode}", figures[f"new_keys_{mode}"]))
+    for mode in MODES:
+        print(line(f"replays, {mode}", figures[f"replays_{mode}"]))
+    print(line(f"endpoint alone at {half:,.0f}/s", figures["endpoint_half_load"]))
+    for mode in MODES:
+        print(line(f"new keys at {half:,.0f}/s, {mode}", figures[f"new_keys_half_load_{mode}"]))
+    for mode in MODES:
+        print(
+            f"{mode}: new keys {figures[f'new_keys_vs_endpoint_{mode}']:.2f}x the endpoint, "
+            f"replays {figures[f'replays_vs_endpoint_{mode}']:.2f}x, p99 added at half load "
+            f"{figures[f'p99_added_at_half_load_ms_{mode}']:.2f} ms"
+        )
 
 
 if __name__ == "__main__":
@@ -267,6 +385,7 @@ if __name__ == "__main__":
     parser.add_argument("--connections", type=int, default=16, help="concurrent (default 16)")
     parser.add_argument("--half-load-s", type=float, default=10, help="each half-load phase")
     parser.add_argument("--time-limit-s", type=float, default=60, help="the warm-up's bound")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, modes interleaved")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parsed = parser.parse_args()
     figures = asyncio.run(main(parsed))

@@ -7,8 +7,9 @@ fingerprint of its method, path, query and body. Ours: the endpoint runs, and it
 `request.state.idempotency.db` writes commit with its stored response before the first byte
 goes out (dedupe.asgi.run); answers that are not stored (401, 403, 408, 409, 425, 429, 5xx, or
 as `store_status=` says) roll back and give the key back. A finished key replays; another
-request under the key is a 422; one still running a 409 (or a wait of up to `wait_s`). See
-docs/http-api.md.
+request under the key is a 422; one still running a 409 (or a wait of up to `wait_s`). With
+`one_transaction=`, a new key's claim commits with the response in one transaction
+(dedupe.asgi.one_transaction). See docs/http-api.md.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import hashlib
 import logging
 import os
 import socket
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import asyncpg
 
 from dedupe.app import App
+from dedupe.asgi import one_transaction as one_tx
 from dedupe.asgi.conflicts import recorded
 from dedupe.asgi.intake import read_body, read_keyed, request_line
 from dedupe.asgi.keys import (
@@ -53,12 +55,20 @@ from dedupe.asgi.run import (
     run_unkeyed,
 )
 from dedupe.asgi.state import Idempotency
-from dedupe.claims.database import check_schema, connect_pool, redact
+from dedupe.claims.database import TRANSIENT_ERRORS, check_schema, connect_pool, redact
 from dedupe.claims.fingerprints import FingerprintSpec, compile_fingerprint
 from dedupe.claims.keys import KeySpec, compile_key
-from dedupe.claims.records import ClaimRequest
+from dedupe.claims.records import ClaimRequest, Fence
 from dedupe.claims.store import ClaimStore
-from dedupe.claims.verdicts import Claims, InFlight, Ours, Terms, Unavailable, Verdict
+from dedupe.claims.verdicts import (
+    Claims,
+    Duplicate,
+    InFlight,
+    Ours,
+    Terms,
+    Unavailable,
+    Verdict,
+)
 from dedupe.context import Database
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import ConfigurationError, SchemaMismatch, StoreError
@@ -118,6 +128,12 @@ class IdempotencyMiddleware:
         lease_s: How long a claim holds its key without a heartbeat (a crashed process's
             keys are free again after it).
         retention_s: How long a response is kept and replayed.
+        one_transaction: Which keyed requests claim, run and store in one transaction (one
+            commit): True, False (the default: two commits, a claim then the response) or a
+            callable (method, path) -> bool. Such a request is bounded by lease_s (past it:
+            rolled back, a 503 whose retry runs on two commits); a duplicate of it waits for
+            it up to a third of the lease (2 s at most). Not with wait_s > 0, nor for routes
+            that call request.state.idempotency.step. See docs/http-api.md.
         max_body_bytes: The largest body of a keyed request (413 past it).
         metrics: Where `dedupe_http_requests_total{route,outcome}` is counted.
     """
@@ -139,6 +155,7 @@ class IdempotencyMiddleware:
         wait_s: float = 0.0,
         lease_s: float = 30.0,
         retention_s: float = 86_400.0,
+        one_transaction: bool | Callable[[str, str], bool] = False,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         metrics: Metrics | None = None,
     ) -> None:
@@ -165,6 +182,17 @@ class IdempotencyMiddleware:
             )
         if not max_body_bytes > 0:
             raise ConfigurationError("IdempotencyMiddleware: max_body_bytes must be > 0")
+        if one_transaction is not False and wait_s > 0:
+            raise ConfigurationError(
+                "IdempotencyMiddleware: one_transaction= and wait_s > 0 exclude each other: a "
+                "duplicate of a one-transaction request waits on its row lock (up to "
+                f"{one_tx.LOCK_TIMEOUT_S:g} s) holding a pooled connection, "
+                "where wait_s= waiters poll without one; use one or the other"
+            )
+        try:
+            self.one_transaction = one_tx.compile_one_transaction(one_transaction)
+        except TypeError as exc:
+            raise ConfigurationError(f"IdempotencyMiddleware: {exc}") from None
         self.secret = _principal_secret(principal_secret, scoped=scope is not None)
         self.key_source = compile_key_source(key)
         self.scheme = compile_fingerprint(
@@ -179,12 +207,14 @@ class IdempotencyMiddleware:
         self.required = required
         self.wait_s = float(wait_s)
         self.terms = Terms(float(lease_s), float(retention_s))
+        self.bounds = one_tx.Bounds.of(float(lease_s))
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics or Metrics()
         self.owner = f"http@{socket.gethostname()}:{os.getpid()}"
         self.store: ClaimStore | None = None
         self._claims: Claims | None = None
         self._leases: HttpLeases | None = None
+        self._look_ups: one_tx.LookUps | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._activity: Activity | None = None
         self._opening = asyncio.Lock()
@@ -225,6 +255,7 @@ class IdempotencyMiddleware:
             stack.push_async_callback(_cancelled, beating)
             self._activity = await stack.enter_async_context(Activity(store))
             self._claims, self._leases, self._stack = Claims(claim_store), leases, stack
+            self._look_ups = one_tx.LookUps(claim_pool)
             self.store = store
             return store
 
@@ -366,6 +397,17 @@ class IdempotencyMiddleware:
             return await answer(send, store, "unavailable")
         if self._claims is None or self._leases is None:
             return await answer(send, db_down(), "unavailable")
+        if self.one_transaction(str(scope["method"]), str(scope.get("path", ""))):
+            found = await self._look_up(request)
+            if found is not None and found.replay:
+                duplicate = Duplicate("completed", found.result)
+                return await answer_for(send, request, duplicate, self._activity)
+            if found is None or found.status is None:  # no row: ours to claim in one
+                ran = await self._in_one_transaction(
+                    scope, receive, send, store, request, body, tally
+                )
+                if ran is not None:
+                    return ran
         verdict = await self._claim_or_wait(request)
         if not isinstance(verdict, Ours):
             verdict = await recorded(store, scope, request, verdict)  # a 422 is recorded first
@@ -390,8 +432,95 @@ class IdempotencyMiddleware:
             stores=self.stores,
         )
         run.effects = RunEffects(db, verdict.fence, cancel=run.lose)
+        return await self._run(scope, receive, run, request, body, tally)
+
+    async def _look_up(self, request: ClaimRequest) -> one_tx.Claimed | None:
+        """The key's committed row, read in a statement shared by concurrent requests; None
+        when the read failed (the claim finds out)."""
+        assert self._look_ups is not None
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                return await self._look_ups.look_up(request)
+        except (*TRANSIENT_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
+            logger.warning("key %s: reading its row failed: %r", request.key, exc)
+            return None
+
+    async def _in_one_transaction(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        store: ClaimStore,
+        request: ClaimRequest,
+        body: bytes,
+        tally: _Tally,
+    ) -> tuple[str, str | None] | None:
+        """Claim, run and store in one transaction (dedupe.asgi.one_transaction); a replay is
+        answered from the claim's read; None when the key has another committed row: the
+        two-commit claim decides (nothing was written)."""
+        assert self._leases is not None
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                conn = await store.pool.acquire()
+        except (*TRANSIENT_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
+            logger.warning("key %s: no connection for the claim: %r", request.key, exc)
+            return await answer(send, db_down(), "unavailable")
+        db = one_tx.ClaimTransaction(store.pool, conn)
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):  # the lock wait is bounded below it
+                claimed = await one_tx.claim(
+                    db, request, self.bounds, owner=self.owner, retention_s=self.terms.retention_s
+                )
+        except asyncpg.LockNotAvailableError:
+            await db.close()
+            return await answer(send, in_flight(), "in_flight")  # held by a run still open
+        except (*TRANSIENT_ERRORS, asyncpg.PostgresError, TimeoutError) as exc:
+            await db.close()
+            logger.warning("key %s: claiming failed: %r", request.key, exc)
+            return await answer(send, db_down(), "unavailable")
+        except BaseException:
+            await db.close()
+            raise
+        if claimed.token is None:
+            await db.close()
+            if claimed.replay:  # answered from the claim's own read
+                duplicate = Duplicate("completed", claimed.result)
+                return await answer_for(send, request, duplicate, self._activity)
+            return None
+        fence = Fence(request.scope, request.key, claimed.token)
+        run = one_tx.OneTransactionRun(
+            app=self.app,
+            store=store,
+            leases=self._leases,
+            fence=fence,
+            attempt=1,
+            retention_s=self.terms.retention_s,
+            max_response_bytes=MAX_RESPONSE_BYTES,
+            db=db,
+            send=send,
+            stores=self.stores,
+            request=request,
+            bounds=self.bounds,
+        )
+        run.effects = one_tx.effects(db, run)
+        return await self._run(scope, receive, run, request, body, tally)
+
+    async def _run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        run: KeyedRun,
+        request: ClaimRequest,
+        body: bytes,
+        tally: _Tally,
+    ) -> tuple[str, str | None]:
+        """Run the endpoint under its claim; count and log what it came to."""
         scope.setdefault("state", {})["idempotency"] = Idempotency(
-            db=db, key=request.key, scope=request.scope, attempt=attempt, effects=run.effects
+            db=run.db,
+            key=request.key,
+            scope=request.scope,
+            attempt=run.attempt,
+            effects=run.effects,
         )
         try:
             await run(scope, _body_first(body, receive))

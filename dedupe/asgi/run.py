@@ -109,7 +109,7 @@ class KeyedRun:
                 k: v for k, v in extensions.items() if k not in UNBUFFERED_EXTENSIONS
             }
         self._scope = scope
-        held = self._held = self.leases.hold(self.fence)
+        held = self._held = self._hold()
 
         async def endpoint() -> None:
             await self.app(scope, receive, self._send)
@@ -118,7 +118,7 @@ class KeyedRun:
         task = held.task = asyncio.create_task(endpoint(), name=f"dedupe-http {self.fence.key}")
         try:
             try:
-                await asyncio.wait({task})
+                await self._wait(task)
             except asyncio.CancelledError:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -133,6 +133,8 @@ class KeyedRun:
                 if self._mode == "buffering":
                     await self._refuse(in_flight("this request lost its key to a newer one"))
                 return
+            if self._mode == "buffering" and await self._cut_off():
+                return
             error = None if task.cancelled() else task.exception()
             if self._mode == "buffering":
                 # An exception, or an endpoint that never finished its response: the server
@@ -143,6 +145,25 @@ class KeyedRun:
         finally:
             self.leases.forget(held)
             await self.db.close()
+
+    # -- what a one-transaction run (dedupe.asgi.one_transaction) does otherwise ---------------
+
+    def _hold(self) -> Held:
+        """The key's lease, heartbeated while the endpoint runs."""
+        return self.leases.hold(self.fence)
+
+    async def _wait(self, task: asyncio.Task[None]) -> None:
+        """Wait for the endpoint's task (a lost lease cancels it)."""
+        await asyncio.wait({task})
+
+    async def _cut_off(self) -> bool:
+        """The endpoint ended without an answer: whether this run cut it off and answered for it
+        (a two-commit run never cuts its endpoint off)."""
+        return False
+
+    def _in_transaction(self, completion: Completion) -> bool:
+        """Whether the completion commits in the endpoint's transaction (else alone)."""
+        return self.db.started or bool(completion.outbox)
 
     @property
     def status(self) -> int:
@@ -274,7 +295,7 @@ class KeyedRun:
         completion = Completion(self.fence, stored.to_result(), self.retention_s, self._outgoing())
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
-                if self.db.started or completion.outbox:
+                if self._in_transaction(completion):
                     # ctx.db ends here, committed or rolled back: a background task of the
                     # endpoint's after the answer gets no transaction.
                     completed = await complete_in_transaction(self.store, self.db, completion)

@@ -64,6 +64,7 @@ HTTP_OUTCOMES = (
     "refused",
     "unavailable",
     "unkeyed",
+    "too_long",
 )
 
 OLDEST_IN_PROGRESS_SQL = """

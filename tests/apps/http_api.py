@@ -102,11 +102,14 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
         return Response(body, status_code=202, media_type="application/x-thing")
 
     @api.post("/notify", status_code=201)
-    async def notify(request: Request, write: bool = True, fail: bool = False) -> Any:
-        """Publishes an e-mail through the outbox (after its insert, or alone), and a step."""
+    async def notify(
+        request: Request, write: bool = True, fail: bool = False, step: bool = True
+    ) -> Any:
+        """Publishes an e-mail through the outbox (after its insert, or alone), and a step
+        (unless step=false)."""
         idempotency = request.state.idempotency
         order_id = await _order(request, "notify") if write else None
-        checked = await idempotency.step("check", lambda: {"ok": True})
+        checked = await idempotency.step("check", lambda: {"ok": True}) if step else None
         message_id = await idempotency.publish("emails", {"order_id": order_id})
         if fail:
             return JSONResponse({"error": "failed after publishing"}, status_code=503)
@@ -117,10 +120,11 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
 
 def from_environment() -> FastAPI:
     """The test API for a subprocess: DEDUPE_DATABASE_URL, HTTP_API_LEASE_S, HTTP_API_SCOPE,
-    DEDUPE_HTTP_SECRET."""
+    DEDUPE_HTTP_SECRET, HTTP_API_ONE_TRANSACTION (1: one_transaction=True)."""
     scope = os.environ.get("HTTP_API_SCOPE", "header:Authorization")
     return create_test_api(
         lease_s=float(os.environ.get("HTTP_API_LEASE_S", "30")),
         scope=None if scope == "none" else scope,
         principal_secret=os.environ.get("DEDUPE_HTTP_SECRET") or TEST_SECRET,
+        one_transaction=os.environ.get("HTTP_API_ONE_TRANSACTION") == "1",
     )

@@ -1,0 +1,356 @@
+"""One transaction per keyed request where one is enough (`one_transaction=`): the claim, the
+endpoint's `request.state.idempotency.db` writes, its publishes and its stored response commit
+together, on one pooled connection, in one COMMIT.
+
+    BEGIN; SET LOCAL lock_timeout, idle_in_transaction_session_timeout, statement_timeout
+    INSERT the claim where the key has no row (attempts = 1), or read the committed row
+    the endpoint, with request.state.idempotency.db on this transaction, under the bound
+    the fenced completion with the response and the outbox rows; COMMIT (with the pool's reset)
+    then the response goes out
+
+Only a key without any committed row is claimed here. A key with one is answered from the
+same statement when it is a replay (completed, the same request); any other (a conflict, a key
+in flight, one given back after a failed attempt) is left to the two-commit claim, which
+decides as it always does. A concurrent duplicate meets the uncommitted row and waits on it (its
+`lock_timeout`), then finds the key completed (a replay) or free (it runs); past the wait it
+gets the 409 of a key in flight. Every answer that gives the key back (a 5xx, an exception,
+a status not stored, the bound) rolls the whole transaction back, claim included, then commits
+the attempt on its own (`first_attempt_failed`: a row handed back, its lease over), so that the
+client's retry runs as attempt 2 on the two-commit path, under a lease, without the bound.
+The argument why the guarantees hold is in docs/http-api.md, "One transaction per request".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from dedupe.asgi.problems import Problem
+from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun
+from dedupe.claims.batching import Batcher
+from dedupe.claims.completion import Completion
+from dedupe.claims.records import ClaimRequest
+from dedupe.context import Database
+from dedupe.effects.run_effects import RunEffects
+from dedupe.errors import DedupeError
+from dedupe.sql import queries
+
+logger = logging.getLogger("dedupe.asgi")
+
+# How long a request's claim waits for another transaction that holds its key (at most a third
+# of the lease): then the key is in flight elsewhere (409).
+LOCK_TIMEOUT_S = 2.0
+# PostgreSQL ends the session of a frozen process this long after the run's bound (idle in its
+# transaction, or in one statement): its transaction rolls back and frees the key.
+SESSION_MARGIN_S = 1.0
+# The answer of a run cut off at its bound: retry soon; the retry runs under a lease.
+TOO_LONG_RETRY_AFTER_S = 1
+
+Predicate = Callable[[str, str], bool]
+
+
+def compile_one_transaction(spec: bool | Predicate) -> Predicate:
+    """The middleware's one_transaction=: True (every keyed request), False (none), or a
+    callable (method, path) -> bool."""
+    if isinstance(spec, bool):
+        return lambda method, path: spec
+    if callable(spec):
+        return spec
+    raise TypeError("one_transaction= is True, False or a callable (method, path) -> bool")
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """A one-transaction run's bounds: the endpoint's (seconds), the claim's lock wait, the
+    session's timeouts (idle in the transaction, one statement)."""
+
+    run_s: float
+    lock_s: float
+    session_s: float
+
+    @classmethod
+    def of(cls, lease_s: float) -> Bounds:
+        """The run is bounded by the lease: a frozen process holds a key no longer than a lease
+        (plus the margin) on either path."""
+        return cls(lease_s, min(LOCK_TIMEOUT_S, lease_s / 3), lease_s + SESSION_MARGIN_S)
+
+    def begin(self) -> str:
+        """BEGIN with the bounds, in one round trip (numbers only: no values)."""
+        lock_ms, session_ms = max(1, int(self.lock_s * 1000)), max(1, int(self.session_s * 1000))
+        return (
+            f"BEGIN; SET LOCAL lock_timeout = {lock_ms}; "
+            f"SET LOCAL idle_in_transaction_session_timeout = {session_ms}; "
+            f"SET LOCAL statement_timeout = {session_ms}"
+        )
+
+
+class ClaimTransaction(Database):
+    """`request.state.idempotency.db` of a one-transaction run: the pooled connection whose
+    open transaction holds the claim. `started` says whether the endpoint used it; the run
+    commits it (`commit`: with the pool's reset in the COMMIT's round trip) or rolls it back
+    (`close`), then the connection goes back to the pool."""
+
+    def __init__(self, pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
+        super().__init__(pool)
+        self.conn: asyncpg.Connection | None = conn
+        self.used = False
+        self.committed = False
+
+    @property
+    def started(self) -> bool:
+        return self.used
+
+    async def connection(self) -> asyncpg.Connection:
+        if self._closed or self.conn is None:
+            raise RuntimeError("request.state.idempotency.db is closed: the request's run is over")
+        self.used = True
+        return self.conn
+
+    async def commit(self) -> None:
+        conn = await self.connection()
+        reset = conn.get_reset_query()
+        await conn.execute(f"COMMIT; {reset}" if reset else "COMMIT")
+        self.committed = True
+        conn.mark_clean()  # reset already, with the COMMIT
+
+    async def close(self) -> None:
+        """Roll back what was not committed and return the connection; safe to call twice."""
+        self._closed = True
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        broken = (
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,
+            OSError,
+        )
+        try:
+            if not self.committed and not _closed(conn):
+                # The ROLLBACK carries the pool's reset when the endpoint used the connection
+                # (it may have left session state); one round trip either way.
+                reset = conn.get_reset_query() if self.used else ""
+                await asyncio.shield(conn.execute(f"ROLLBACK; {reset}" if reset else "ROLLBACK"))
+                conn.mark_clean()
+        except (*broken, asyncio.CancelledError):
+            with contextlib.suppress(*broken):
+                conn.terminate()
+        finally:
+            with contextlib.suppress(*broken):
+                await self.pool.release(conn)
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """What the claim in the transaction found: our token, or the committed row in the way
+    (its status, stored result and whether this request is the same), or nothing visible (a
+    row committed while the claim waited on it)."""
+
+    token: int | None
+    status: str | None = None
+    result: str | None = None
+    same_payload: bool | None = None
+
+    @property
+    def replay(self) -> bool:
+        """A finished key and the same request: its stored answer is the reply."""
+        return self.status == "completed" and self.same_payload is True
+
+
+async def claim(
+    db: ClaimTransaction,
+    request: ClaimRequest,
+    bounds: Bounds,
+    *,
+    owner: str,
+    retention_s: float,
+) -> Claimed:
+    """BEGIN with the bounds and claim the key inside the transaction (dedupe/sql/http.sql,
+    claim_in_transaction), in two round trips. A key another transaction holds raises
+    asyncpg.LockNotAvailableError after bounds.lock_s; driver errors are raised as they come."""
+    assert db.conn is not None
+    await db.conn.execute(bounds.begin())
+    row = await db.conn.fetchrow(
+        queries("http.sql")["claim_in_transaction"],
+        request.scope,
+        request.key,
+        request.payload_hash,
+        request.fingerprint,
+        request.raw_hash,
+        request.payload,
+        owner,
+        float(bounds.run_s),
+        float(retention_s),
+        secrets.randbits(63),
+    )
+    if row is None:  # pragma: no cover - the statement answers one row
+        return Claimed(None)
+    token = row["token"]
+    return Claimed(
+        None if token is None else int(token), row["status"], row["result"], row["same_payload"]
+    )
+
+
+class LookUps:
+    """The committed rows of keys about to be claimed in one transaction, read in statements
+    shared by concurrent requests (dedupe.claims.batching), on the claims' pool: a replay is
+    answered by the read, as the two-commit claim answers it, and never takes a connection of
+    its own nor opens a transaction."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        self._batcher: Batcher[ClaimRequest, Claimed] = Batcher(self._flush)
+
+    async def look_up(self, request: ClaimRequest) -> Claimed:
+        """The row of the key (token None); raises what the read raised."""
+        [found] = await self._batcher.submit_many([request])
+        return found
+
+    async def _flush(self, batch: Sequence[ClaimRequest]) -> list[Claimed]:
+        async with self.pool.acquire() as conn:
+            rows = await conn.fetch(
+                queries("http.sql")["look_up"],
+                [r.scope for r in batch],
+                [r.key for r in batch],
+                [r.payload_hash for r in batch],
+                [r.fingerprint for r in batch],
+                [r.raw_hash for r in batch],
+            )
+            conn.mark_clean()  # a read: no session state to reset
+        return [Claimed(None, r["status"], r["result"], r["same_payload"]) for r in rows]
+
+
+class NeedsTwoCommits(DedupeError):
+    """request.state.idempotency.step in a one-transaction request: a step's record commits on
+    its own before the external call it guards can be trusted not to repeat, which a request
+    whose claim is not committed yet cannot do. This attempt fails (rolled back, the key given
+    back); the client's retry runs on the two-commit path, where the step works. Leave the
+    route out of one_transaction= (do not catch this error)."""
+
+
+class _Effects(RunEffects):
+    """Publishes as in any run (their rows commit in the one transaction); steps refused."""
+
+    async def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        raise NeedsTwoCommits(
+            f"request.state.idempotency.step({name!r}) needs the two-commit path: leave this "
+            "route out of IdempotencyMiddleware(one_transaction=...); the client's retry runs "
+            "there"
+        )
+
+
+def effects(db: Database, run: KeyedRun) -> RunEffects:
+    """request.state.idempotency's publishes and steps for a one-transaction run."""
+    return _Effects(db, run.fence, cancel=run.lose)
+
+
+@dataclass(slots=True)
+class OneTransactionRun(KeyedRun):
+    """A keyed run whose claim is in `db`'s open transaction: no lease and no heartbeat (the
+    row lock holds the key); the endpoint is bounded until its response is committed."""
+
+    request: ClaimRequest | None = None
+    bounds: Bounds | None = None
+    _cut: bool = False
+
+    def _hold(self) -> Held:
+        # Not heartbeated: the row is not committed, a heartbeat would not find it.
+        return Held(self.fence, self.bounds.run_s if self.bounds is not None else 0.0)
+
+    async def _wait(self, task: asyncio.Task[None]) -> None:
+        """The bound holds while the response is being buffered: past it, the endpoint is
+        cancelled (its transaction is rolled back by _cut_off). A response being committed,
+        or committed and streaming, is waited for."""
+        assert self.bounds is not None
+        done, _ = await asyncio.wait({task}, timeout=self.bounds.run_s)
+        if done:
+            return
+        if self._mode == "buffering" and self._held is not None and not self._held.completing:
+            self._cut = True
+            task.cancel()
+        await asyncio.wait({task})
+
+    async def _cut_off(self) -> bool:
+        if not self._cut:
+            return False
+        logger.warning(
+            "key %s: the endpoint ran past the one-transaction bound (%gs); rolled back, the "
+            "key is released: the retry runs under a lease",
+            self.fence.key,
+            self.bounds.run_s if self.bounds is not None else 0.0,
+            extra={"scope": self.fence.scope, "key": self.fence.key, "outcome": "too_long"},
+        )
+        await self._settle_error()
+        self.outcome = "too_long"
+        await self._refuse(too_long())
+        return True
+
+    def _in_transaction(self, completion: Completion) -> bool:
+        return True  # the claim is in it
+
+    async def _settle_error(self) -> None:
+        """Roll everything back (the claim with it), then commit the attempt on its own, handed
+        back: the retry is counted as attempt 2 and runs on the two-commit path."""
+        if self._held is None or self._held.lost or self._mode != "buffering":
+            await self.db.close()
+            return
+        self._held.completing = True
+        await self.db.close()
+        self.outcome = "released_on_error"
+        self._mode = "settled"
+        if self.request is None:
+            return
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                await self.store.first_attempt_failed(self.request, retention_s=self.retention_s)
+        except Exception as exc:
+            # Nothing of the attempt is kept: the retry runs again as attempt 1.
+            logger.warning(
+                "key %s: could not count the failed attempt (%s: %s)",
+                self.fence.key,
+                exc.__class__.__name__,
+                exc,
+                extra={"scope": self.fence.scope, "key": self.fence.key, "outcome": "not_counted"},
+            )
+
+
+def too_long() -> Problem:
+    """503: the request ran past its one-transaction bound; nothing of it was kept."""
+    return Problem(
+        503,
+        "too-long",
+        "Request took too long",
+        "the request ran past its bound and was rolled back (nothing was kept); retry: the "
+        "retry runs without the bound",
+        TOO_LONG_RETRY_AFTER_S,
+    )
+
+
+def _closed(conn: asyncpg.Connection) -> bool:
+    """Whether the connection is gone (a pooled one lost mid-transaction is detached from its
+    proxy, which then refuses every call)."""
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True
+
+
+__all__ = [
+    "Bounds",
+    "ClaimTransaction",
+    "Claimed",
+    "LookUps",
+    "NeedsTwoCommits",
+    "OneTransactionRun",
+    "claim",
+    "compile_one_transaction",
+    "effects",
+    "too_long",
+]

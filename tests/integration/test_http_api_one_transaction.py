@@ -1,0 +1,506 @@
+"""IdempotencyMiddleware(one_transaction=True) on a real uvicorn server and PostgreSQL: a new
+key's claim, the endpoint's writes, its publishes and its stored response commit in one
+transaction; a concurrent duplicate waits on the row lock, then replays (or gets its 409 past
+lock_timeout); answers that give the key back roll everything back and the retry runs on two
+commits as attempt 2; the bound cuts a long run off with a 503; a kill -9 or a frozen process
+mid-endpoint leaves no claim behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from dedupe.errors import ConfigurationError
+from handlers.orders_api import setup
+from tests.apps.http_api import create_test_api
+from tests.conftest import CHECKOUT_PATH, ROOT
+from tests.integration.http_server import serving
+from tests.integration.test_http_api import client_of, orders, post
+
+
+@pytest.fixture
+async def orders_db(db_url: str) -> str:
+    await setup(db_url)
+    return db_url
+
+
+@pytest.fixture
+async def api(orders_db: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The test API in one-transaction mode (lease 30 s: bound 30 s, lock_timeout 2 s)."""
+    async with (
+        serving(create_test_api(orders_db, one_transaction=True)) as base,
+        client_of(base) as client,
+    ):
+        yield client
+
+
+async def claim_row(db: asyncpg.Connection, key: str) -> dict[str, Any] | None:
+    row = await db.fetchrow(
+        "SELECT status, attempts, error, lease_until <= now() AS lapsed FROM dedupe_claims"
+        " WHERE key = $1",
+        key,
+    )
+    return None if row is None else dict(row)
+
+
+async def waiting_on_a_lock(db: asyncpg.Connection) -> int:
+    return int(
+        await db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock'"
+        )
+    )
+
+
+async def open_transactions(db: asyncpg.Connection) -> int:
+    """Sessions of the API in a transaction (the one-transaction runs under way)."""
+    return int(
+        await db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name = 'dedupe-worker' AND xact_start IS NOT NULL"
+            " AND pid <> pg_backend_pid()"
+        )
+    )
+
+
+async def until(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met"
+        await asyncio.sleep(0.02)
+
+
+# -- one commit ----------------------------------------------------------------------------
+
+
+COMMIT_LOG = """
+CREATE TABLE commit_log (xid xid8 PRIMARY KEY);
+CREATE FUNCTION log_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO commit_log VALUES (pg_current_xact_id()) ON CONFLICT DO NOTHING;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER claims_commits AFTER INSERT OR UPDATE ON dedupe_claims
+    FOR EACH STATEMENT EXECUTE FUNCTION log_commit();
+CREATE TRIGGER orders_commits AFTER INSERT OR UPDATE ON orders
+    FOR EACH STATEMENT EXECUTE FUNCTION log_commit();
+"""
+
+
+async def test_a_new_key_commits_once_where_two_commits_commit_twice(
+    orders_db: str, db: asyncpg.Connection
+) -> None:
+    """Every transaction that writes a claim or an order logs its id in a row of its own
+    (a statement trigger), which exists only if it committed: 40 new keys commit 40 such
+    transactions in one-transaction mode, 80 on the two-commit path; replays commit none."""
+    await db.execute(COMMIT_LOG)
+    n = 40
+    counts = {}
+    for one in (True, False):
+        before = await db.fetchval("SELECT count(*) FROM commit_log")
+        async with (
+            serving(create_test_api(orders_db, one_transaction=one)) as base,
+            client_of(base) as client,
+        ):
+            for i in range(n):
+                answer = await post(client, f"c-{one}-{i}", {"sku": "book"})
+                assert answer.status_code == 201, answer.text
+            counts[one] = await db.fetchval("SELECT count(*) FROM commit_log") - before
+            if one:  # a replay is answered from the claim's read, in a transaction rolled back
+                for i in range(n):
+                    replay = await post(client, f"c-{one}-{i}", {"sku": "book"})
+                    assert replay.headers["idempotent-replayed"] == "true"
+                assert await db.fetchval("SELECT count(*) FROM commit_log") - before == n
+    assert counts == {True: n, False: 2 * n}
+    assert await db.fetchval("SELECT count(*) FROM orders") == 2 * n
+
+
+async def test_nothing_of_a_request_is_visible_until_its_response_commits(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """While the endpoint runs, neither its claim nor its order exists for anyone else; then
+    both, the claim completed with the response, in the same transaction (the same xmin)."""
+    first = asyncio.ensure_future(post(api, "v-1", {}, "/slow", params={"s": 0.6}))
+    await until(lambda: open_transactions(db))
+    await asyncio.sleep(0.2)
+    assert await db.fetchval("SELECT count(*) FROM dedupe_claims") == 0
+    assert await db.fetchval("SELECT count(*) FROM orders") == 0
+    answer = await first
+    assert answer.status_code == 201
+    claim_xmin, order_xmin = await db.fetchrow(
+        "SELECT (SELECT xmin::text FROM dedupe_claims), (SELECT xmin::text FROM orders)"
+    )
+    assert claim_xmin == order_xmin
+    assert await claim_row(db, "v-1") == {
+        "status": "completed",
+        "attempts": 1,
+        "error": None,
+        "lapsed": None,
+    }
+
+
+async def test_a_finished_key_replays_and_another_request_under_it_is_a_422(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    first = await post(api, "r-1", {"sku": "pen"})
+    again = await post(api, "r-1", {"sku": "pen"})
+    other = await post(api, "r-1", {"sku": "ink"})
+    assert first.status_code == again.status_code == 201
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert again.headers["location"] == first.headers["location"]
+    assert other.status_code == 422
+    assert await orders(db) == [("pen", "r-1")]
+
+
+# -- concurrent duplicates -----------------------------------------------------------------
+
+
+async def test_a_concurrent_duplicate_waits_on_the_row_lock_then_replays(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """The duplicate's claim waits on the first one's uncommitted row (seen in
+    pg_stat_activity), then finds it completed: the first answer again, one order."""
+    first = asyncio.ensure_future(post(api, "d-1", {}, "/slow", params={"s": 0.8}))
+    await until(lambda: open_transactions(db))
+    started = time.monotonic()
+    duplicate = asyncio.ensure_future(post(api, "d-1", {}, "/slow", params={"s": 0.8}))
+    await until(lambda: waiting_on_a_lock(db))
+    one, two = await first, await duplicate
+    assert one.status_code == two.status_code == 201
+    assert two.content == one.content and two.headers["idempotent-replayed"] == "true"
+    assert time.monotonic() - started > 0.3  # it waited for the first
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+
+
+async def test_a_concurrent_request_with_another_body_waits_then_gets_422(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    first = asyncio.ensure_future(post(api, "d-2", {"a": 1}, "/slow", params={"s": 0.6}))
+    await until(lambda: open_transactions(db))
+    other = asyncio.ensure_future(post(api, "d-2", {"a": 2}, "/slow", params={"s": 0.6}))
+    await until(lambda: waiting_on_a_lock(db))
+    one, two = await first, await other
+    assert one.status_code == 201 and two.status_code == 422, two.text
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+
+
+async def test_twenty_concurrent_copies_make_one_order(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    answers = await asyncio.gather(*(post(api, "many", {"sku": "book"}) for _ in range(20)))
+    assert {a.status_code for a in answers} == {201}
+    assert len({a.content for a in answers}) == 1
+    assert sum(a.headers.get("idempotent-replayed") == "true" for a in answers) == 19
+    assert await orders(db) == [("book", "many")]
+
+
+async def test_a_duplicate_that_waits_past_lock_timeout_gets_409(
+    orders_db: str, db: asyncpg.Connection
+) -> None:
+    """lease_s=3: lock_timeout 1 s. The duplicate of a request that runs 2.5 s gives up
+    waiting with 409 in-flight and Retry-After: 1; the first completes; the retry replays."""
+    asgi = create_test_api(orders_db, one_transaction=True, lease_s=3.0)
+    async with serving(asgi) as base, client_of(base) as client:
+        first = asyncio.ensure_future(post(client, "t-1", {}, "/slow", params={"s": 2.5}))
+        await until(lambda: open_transactions(db))
+        started = time.monotonic()
+        duplicate = await post(client, "t-1", {}, "/slow", params={"s": 2.5})
+        waited = time.monotonic() - started
+        one = await first
+        retry = await post(client, "t-1", {}, "/slow", params={"s": 2.5})
+    assert duplicate.status_code == 409, duplicate.text
+    assert duplicate.headers["retry-after"] == "1"
+    assert duplicate.json()["type"] == "urn:dedupe-worker:problem:in-flight"
+    assert 0.9 < waited < 2.4
+    assert one.status_code == 201 and retry.content == one.content
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+
+
+# -- answers that give the key back --------------------------------------------------------
+
+
+async def test_a_status_not_stored_rolls_back_and_leaves_the_key_free(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """A 429 reaches the client with its headers; its order rolls back with its claim; the key
+    is free (handed back, its lease over) and the retry runs at once, as attempt 2."""
+    limited = await post(api, "n-1", {}, "/answer/429")
+    assert limited.status_code == 429 and limited.headers["retry-after"] == "7"
+    assert await db.fetchval("SELECT count(*) FROM orders") == 0
+    assert await claim_row(db, "n-1") == {
+        "status": "in_progress",
+        "attempts": 1,
+        "error": "handed back",
+        "lapsed": True,
+    }
+    again = await post(api, "n-1", {}, "/answer/429")
+    assert again.status_code == 429 and "idempotent-replayed" not in again.headers
+    assert await db.fetchval("SELECT count(*) FROM orders") == 0
+    assert (await claim_row(db, "n-1") or {}).get("attempts") == 2
+
+
+async def test_a_5xx_rolls_back_and_the_retry_runs_as_attempt_2(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    failed = await post(api, "f-1", {}, "/flaky")
+    assert failed.status_code == 503
+    assert await db.fetchval("SELECT count(*) FROM orders") == 0
+    retry = await post(api, "f-1", {}, "/flaky")
+    assert retry.status_code == 201 and retry.json()["attempt"] == 2
+    replay = await post(api, "f-1", {}, "/flaky")
+    assert replay.content == retry.content and replay.headers["idempotent-replayed"] == "true"
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+    boom = await post(api, "f-2", {}, "/boom")
+    assert boom.status_code == 500
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+    assert (await claim_row(db, "f-2") or {}).get("error") == "handed back"
+
+
+async def test_the_bound_rolls_a_long_run_back_with_a_503_and_the_retry_runs_under_a_lease(
+    orders_db: str, db: asyncpg.Connection
+) -> None:
+    """lease_s=1: the bound is 1 s. A run of 2.5 s is cut off at it: rolled back, a 503
+    too-long with Retry-After: 1; the same request again runs on the two-commit path, where
+    it may take as long as it needs (heartbeated), as attempt 2."""
+    asgi = create_test_api(orders_db, one_transaction=True, lease_s=1.0)
+    async with serving(asgi) as base, client_of(base) as client:
+        started = time.monotonic()
+        cut = await post(client, "b-1", {}, "/slow", params={"s": 2.5})
+        elapsed = time.monotonic() - started
+        assert await db.fetchval("SELECT count(*) FROM orders") == 0
+        retry = await post(client, "b-1", {}, "/slow", params={"s": 2.5})
+    assert cut.status_code == 503, cut.text
+    assert cut.headers["retry-after"] == "1"
+    assert cut.json()["type"] == "urn:dedupe-worker:problem:too-long"
+    assert elapsed < 2.0
+    assert retry.status_code == 201, retry.text
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+    assert await claim_row(db, "b-1") == {
+        "status": "completed",
+        "attempts": 2,
+        "error": None,
+        "lapsed": None,
+    }
+
+
+# -- publishes and steps -------------------------------------------------------------------
+
+
+async def test_publishes_commit_with_the_response_and_never_on_a_5xx(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    first = await post(api, "o-1", {}, "/notify", params={"step": "false"})
+    again = await post(api, "o-1", {}, "/notify", params={"step": "false"})
+    alone = await post(api, "o-2", {}, "/notify", params={"step": "false", "write": "false"})
+    failed = await post(api, "o-3", {}, "/notify", params={"step": "false", "fail": "true"})
+    assert first.status_code == again.status_code == alone.status_code == 201
+    assert failed.status_code == 503
+    rows = await db.fetch("SELECT message_id, xmin::text AS xmin FROM dedupe_outbox ORDER BY id")
+    assert [r["message_id"] for r in rows] == [
+        first.json()["message_id"],
+        alone.json()["message_id"],
+    ]
+    # The outbox row, the order and the completed claim: one transaction.
+    order_xmin = await db.fetchval("SELECT xmin::text FROM orders WHERE idempotency_key = 'o-1'")
+    claim_xmin = await db.fetchval("SELECT xmin::text FROM dedupe_claims WHERE key = 'o-1'")
+    assert rows[0]["xmin"] == order_xmin == claim_xmin
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+
+
+async def test_a_step_fails_the_attempt_and_the_retry_runs_it_on_two_commits(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """A step needs its own commit: in one transaction it raises before its function runs;
+    the attempt rolls back (a 500 from the framework) and the retry, on the two-commit path,
+    records the step and answers."""
+    failed = await post(api, "s-1", {}, "/notify")
+    assert failed.status_code == 500
+    assert await db.fetchval("SELECT count(*) FROM dedupe_steps") == 0
+    retry = await post(api, "s-1", {}, "/notify")
+    assert retry.status_code == 201, retry.text
+    assert retry.json()["checked"] == {"ok": True}
+    assert await db.fetchval("SELECT count(*) FROM dedupe_outbox") == 1
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+
+
+def test_one_transaction_and_wait_s_exclude_each_other(orders_db: str) -> None:
+    with pytest.raises(ConfigurationError, match="wait_s"):
+        create_test_api(orders_db, one_transaction=True, wait_s=5).build_middleware_stack()
+
+
+async def test_a_predicate_chooses_the_requests_that_take_one_transaction(
+    orders_db: str, db: asyncpg.Connection
+) -> None:
+    """one_transaction=(method, path) -> bool: /orders in one transaction, /slow on two (its
+    claim is committed while it runs)."""
+    asgi = create_test_api(orders_db, one_transaction=lambda method, path: path == "/orders")
+    async with serving(asgi) as base, client_of(base) as client:
+        one = asyncio.ensure_future(post(client, "p-1", {}, "/slow", params={"s": 0.5}))
+        await until(lambda: db.fetchval("SELECT count(*) FROM dedupe_claims"))  # committed
+        assert (await one).status_code == 201
+        assert (await post(client, "p-2", {"sku": "a"})).status_code == 201
+    assert await db.fetchval("SELECT count(*) FROM orders") == 2
+
+
+# -- crashes: a uvicorn process killed or frozen mid-endpoint --------------------------------
+
+UVICORN = [sys.executable, "-m", "uvicorn", "--factory", "tests.apps.http_api:from_environment"]
+TOKEN = {"Authorization": "Bearer one-transaction-process"}
+
+
+class Api:
+    """`uvicorn --factory tests.apps.http_api:from_environment` in one-transaction mode."""
+
+    def __init__(self, db_url: str, logs: Path, lease_s: float) -> None:
+        from tests.acceptance.test_http_api_process import free_port
+
+        self.db_url, self.logs, self.lease_s = db_url, logs, lease_s
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "DEDUPE_DATABASE_URL": self.db_url,
+            "HTTP_API_LEASE_S": str(self.lease_s),
+            "HTTP_API_ONE_TRANSACTION": "1",
+            "PYTHONPATH": CHECKOUT_PATH,
+        }
+        log = open(self.logs / f"api-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [*UVICORN, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (self.logs / f"api-{len(self.procs) - 1}.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base}/orders/0", timeout=1).status_code == 404:
+                    return proc
+            time.sleep(0.1)
+        raise AssertionError("the API did not start within 30 s")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def process_api(db_url: str, logs: Path, lease_s: float) -> Iterator[Api]:
+    api = Api(db_url, logs, lease_s)
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+async def send(api: Api, key: str, pause_s: float | None, *, timeout_s: float = 30) -> Any:
+    """POST /slow?s=0 (X-Pause-S: pause_s when given; headers are not fingerprinted)."""
+    headers = {**TOKEN, "Idempotency-Key": key}
+    if pause_s is not None:
+        headers["X-Pause-S"] = str(pause_s)
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        try:
+            return await client.post(
+                f"{api.base}/slow", params={"s": "0"}, json={"sku": "crash"}, headers=headers
+            )
+        except httpx.HTTPError as exc:
+            return exc
+
+
+async def test_a_kill_9_mid_endpoint_leaves_no_claim_and_the_retry_runs_at_once(
+    orders_db: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    """SIGKILL while the endpoint's order is written and not committed: PostgreSQL rolls the
+    transaction back as the connection drops, claim included. The retry needs no lease to
+    lapse: it runs at once, once, as a new key."""
+    with process_api(orders_db, tmp_path, lease_s=30) as api:
+        victim = await asyncio.to_thread(api.start)
+        killed = asyncio.ensure_future(send(api, "k-1", pause_s=30))
+        await until(lambda: open_transactions(db), timeout_s=20)
+        await asyncio.sleep(0.3)  # the order is inserted (uncommitted) by now
+        victim.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
+        assert isinstance(await killed, httpx.HTTPError)
+        await until(lambda: _no_open(db), timeout_s=10)
+        assert await db.fetchval("SELECT count(*) FROM dedupe_claims") == 0
+        assert await db.fetchval("SELECT count(*) FROM orders") == 0
+        await asyncio.to_thread(api.start)
+        retry = await send(api, "k-1", pause_s=None)
+        replay = await send(api, "k-1", pause_s=None)
+    assert retry.status_code == 201, retry.text
+    assert replay.content == retry.content and replay.headers["idempotent-replayed"] == "true"
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+    assert await claim_row(db, "k-1") == {
+        "status": "completed",
+        "attempts": 1,
+        "error": None,
+        "lapsed": None,
+    }
+
+
+async def _no_open(db: asyncpg.Connection) -> bool:
+    return await open_transactions(db) == 0
+
+
+async def test_a_frozen_process_holds_the_key_until_its_session_is_ended_and_writes_nothing(
+    orders_db: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    """SIGSTOP mid-endpoint (lease 2 s: bound 2 s, sessions ended 3 s idle, lock_timeout
+    0.67 s). Meanwhile a retry on another process waits on the row and gets 409; PostgreSQL
+    ends the frozen session, the retry runs once; the zombie, resumed, writes nothing."""
+    (tmp_path / "other").mkdir()
+    with (
+        process_api(orders_db, tmp_path, lease_s=2) as api,
+        process_api(orders_db, tmp_path / "other", lease_s=2) as other,
+    ):
+        zombie = await asyncio.to_thread(api.start)
+        await asyncio.to_thread(other.start)
+        frozen = asyncio.ensure_future(send(api, "z-1", pause_s=1.5, timeout_s=60))
+        await until(lambda: open_transactions(db), timeout_s=20)
+        await asyncio.sleep(0.2)
+        zombie.send_signal(signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        held = await send(other, "z-1", pause_s=None)
+        assert held.status_code == 409, held.text
+        answer = held
+        deadline = time.monotonic() + 15
+        while answer.status_code == 409 and time.monotonic() < deadline:
+            await asyncio.sleep(0.3)
+            answer = await send(other, "z-1", pause_s=None)
+        assert answer.status_code == 201, answer.text
+        assert time.monotonic() - frozen_at > 2.0  # the session ended 3 s after its last statement
+        zombie.send_signal(signal.SIGCONT)
+        late = await frozen
+        replay = await send(other, "z-1", pause_s=None)
+    assert isinstance(late, httpx.HTTPError) or late.status_code == 503, late
+    assert replay.content == answer.content and replay.headers["idempotent-replayed"] == "true"
+    assert await db.fetchval("SELECT count(*) FROM orders") == 1
+    assert json.loads(answer.content)["order_id"] == await db.fetchval("SELECT id FROM orders")
