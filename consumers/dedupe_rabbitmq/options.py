@@ -50,7 +50,7 @@ class RabbitOptions:
     """What the transport reads from the URL's query besides the client's own options."""
 
     queue_type: str = "classic"
-    batches_in_flight: int = 2  # see MEANING
+    batches_in_flight: int = 1  # see MEANING
 
     def __post_init__(self) -> None:
         if self.batches_in_flight < 1:

@@ -72,14 +72,14 @@ def test_the_plugin_lists_its_options_for_the_configuration_reference() -> None:
     options = transport_plugin("amqp://h/").url_options()
     assert [(o.name, o.default) for o in options] == [
         ("queue_type", "classic"),
-        ("batches_in_flight", "2"),
+        ("batches_in_flight", "1"),
     ]
 
 
 def test_batches_in_flight_is_read_from_the_url_and_checked() -> None:
-    assert BrokerUrl.parse("amqp://h/").options.batches_in_flight == 2
-    parsed = BrokerUrl.parse("amqp://h/?batches_in_flight=1&heartbeat=30")
-    assert parsed.options.batches_in_flight == 1
+    assert BrokerUrl.parse("amqp://h/").options.batches_in_flight == 1
+    parsed = BrokerUrl.parse("amqp://h/?batches_in_flight=3&heartbeat=30")
+    assert parsed.options.batches_in_flight == 3
     assert parsed.nodes == ("amqp://h/?heartbeat=30",)
     for bad in ("0", "two"):
         with pytest.raises(ConfigurationError, match="batches_in_flight"):
