@@ -21,7 +21,7 @@ import dedupe_kafka as kafka
 import dedupe_rabbitmq as rabbitmq
 from tests.chaos import faults
 from tests.chaos.brokers import ChaosKafka, ChaosRabbit
-from tests.chaos.conftest import run_scenario
+from tests.chaos.conftest import SIZE, run_scenario
 from tests.integration.brokers import Broker
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cluster.sh"
@@ -63,7 +63,8 @@ async def _tidy(broker: str, channel: str) -> None:
             await kafka.delete_channels(KAFKA, [channel])
 
 
-@pytest.mark.timeout(600)
+# The large run (make chaos) has no timeout; the small one, room for the nodes' start-ups.
+@pytest.mark.timeout(0 if SIZE > 10_000 else 600)
 @pytest.mark.parametrize("broker", list(CLUSTER_BROKERS))
 async def test_killing_the_leader_loses_nothing_and_does_nothing_twice(
     broker: str, db_url: str, channel: str, tmp_path: Path, brokers_down_after: None
