@@ -8,6 +8,15 @@
 #                                            standby (the next `up postgres` rebuilds the pair);
 #                                            LAG_S: the primary's WAL sender frozen that long
 #                                            first (what it held back is lost unless synchronous)
+#   scripts/cluster.sh kafka-kill-leader TOPIC [PARTITION]
+#                                            kill -9 the broker leading PARTITION of TOPIC (default:
+#                                            the one leading most of its partitions) and wait until
+#                                            they have new leaders; `up kafka` starts it again and
+#                                            waits until every partition's replicas are in sync
+#   scripts/cluster.sh rabbitmq-kill-leader QUEUE
+#                                            kill -9 the Erlang VM of the node leading the quorum
+#                                            queue QUEUE and wait until another node leads it;
+#                                            `up rabbitmq` starts the node again, back in the cluster
 #
 #   PostgreSQL  primary  postgresql://dedupe:dedupe@127.0.0.1:5442/dedupe   (cluster 15/dedupe_primary)
 #               standby  127.0.0.1:5443, streaming from the primary         (cluster 15/dedupe_standby)
@@ -67,7 +76,7 @@ now() { date +%s; }
 . "$ROOT/scripts/lib/process.sh"
 
 usage() {
-  sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -339,6 +348,45 @@ rabbit_down() {
 
 rabbit_status() { rabbit_healthy; }
 
+rabbit_leader() {  # rabbit_leader <queue>: the node leading the quorum queue, asked of a live node
+  local i out
+  for i in 0 1 2; do
+    port_open "${RABBIT_PORTS[$i]}" || continue
+    out="$(rabbitctl "$i" list_queues --no-table-headers name type leader 2>/dev/null)" || continue
+    awk -F'\t' -v q="$1" '$1 == q && $2 == "quorum" && $3 != "" {print $3; found = 1} END {exit !found}' \
+      <<<"$out" && return 0
+  done
+  return 1
+}
+
+rabbit_kill_leader() {  # rabbit_kill_leader <queue>: kill -9 the VM of the node leading it
+  local queue=$1 leader i=-1 j pid
+  [ -n "$queue" ] || die "rabbitmq-kill-leader takes the name of a quorum queue"
+  leader="$(rabbit_leader "$queue")" || die "rabbitmq: no quorum queue '$queue' with a leader on a running node"
+  for j in 0 1 2; do [ "$leader" = "${RABBIT_NODES[$j]}@localhost" ] && i=$j; done
+  [ "$i" -ge 0 ] || die "rabbitmq: '$queue' is led by $leader, not a node of this script"
+  # The node's Erlang VM (beam.smp), from its pid file, checked against the node name in its
+  # environment (the VM's command line does not carry it).
+  pid="$(cat "$RABBIT_BASE/${RABBIT_NODES[$i]}/pid" 2>/dev/null || true)"
+  [[ "$pid" =~ ^[0-9]+$ ]] && tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "RABBITMQ_NODENAME=$leader" \
+    || die "rabbitmq: no running Erlang VM of $leader (pid file $RABBIT_BASE/${RABBIT_NODES[$i]}/pid)"
+  kill -9 "$pid" 2>/dev/null || true
+  local deadline=$(( $(now) + 30 ))
+  while kill -0 "$pid" 2>/dev/null; do
+    [ "$(now)" -lt "$deadline" ] || die "rabbitmq: $leader (pid $pid) did not die within 30 s"
+    sleep 0.1
+  done
+  log "rabbitmq: $leader killed (kill -9 of its Erlang VM, pid $pid), the leader of $queue"
+  # Until the queue's other members have elected a leader among themselves.
+  deadline=$(( $(now) + 60 ))
+  local now_leader=""
+  until now_leader="$(rabbit_leader "$queue")" && [ "$now_leader" != "$leader" ]; do
+    [ "$(now)" -lt "$deadline" ] || die "rabbitmq: $queue had no new leader within 60 s"
+    sleep 0.5
+  done
+  log "rabbitmq: $queue is led by $now_leader now; \`$0 up rabbitmq\` starts $leader again"
+}
+
 # ----------------------------------------------------------------------------------------------
 # Kafka: three KRaft nodes, each a broker and a controller
 # ----------------------------------------------------------------------------------------------
@@ -346,7 +394,8 @@ java_bin() { if [ -n "${JAVA_HOME:-}" ]; then echo "$JAVA_HOME/bin/java"; else c
 kafka_dir() { echo "$STATE/kafka-$1"; }  # node ids 1..3
 kafka_tool() {  # kafka_tool <timeout> <class> args...
   local t=$1; shift
-  timeout "$t" "$(java_bin)" -Xmx256m -Dlog4j2.configurationFile="$KAFKA_LOG4J" -cp "$KAFKA_LIBS/*" "$@"
+  # A client's short run: the JIT's first tier and the serial collector start it faster.
+  timeout "$t" "$(java_bin)" -Xmx256m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Dlog4j2.configurationFile="$KAFKA_LOG4J" -cp "$KAFKA_LIBS/*" "$@"
 }
 kafka_pid() {  # kafka_pid <id>: the broker's pid, if it runs
   local f; f="$(kafka_dir "$1")/kafka.pid"
@@ -425,6 +474,7 @@ kafka_up() {
     || "$SERVICES" up kafka >/dev/null  # fetches the jars (and starts the single node)
   mkdir -p "$STATE"
   if kafka_healthy; then
+    kafka_await_in_sync
     log "kafka: up (3 nodes, $KAFKA_BOOTSTRAP)"
     return 0
   fi
@@ -457,6 +507,7 @@ kafka_up() {
     [ "$(now)" -lt "$deadline" ] || die "the Kafka cluster did not form within ${START_TIMEOUT}s; see $STATE/kafka-*/kafka.log"
     sleep 2
   done
+  kafka_await_in_sync
   log "kafka: up (3 nodes, $KAFKA_BOOTSTRAP)"
 }
 
@@ -468,6 +519,66 @@ kafka_down() {
 
 kafka_status() { kafka_healthy; }
 
+kafka_partitions() {  # kafka_partitions <topic>: "partition leader replicas isr", one a line
+  kafka_tool 60 org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_BOOTSTRAP" \
+    --describe --topic "$1" 2>/dev/null \
+    | awk '$1 == "Topic:" && $3 == "Partition:" {
+        for (i = 5; i < NF; i++) {
+          if ($i == "Leader:") l = $(i + 1); if ($i == "Replicas:") r = $(i + 1); if ($i == "Isr:") s = $(i + 1)
+        }
+        print $4, l, r, s
+      }'
+}
+
+kafka_in_sync() {  # no partition of any topic misses a replica in its ISR
+  local out
+  out="$(kafka_tool 60 org.apache.kafka.tools.TopicCommand --bootstrap-server "$KAFKA_BOOTSTRAP" \
+    --describe --under-replicated-partitions 2>/dev/null)" || return 1
+  ! grep -q 'Partition:' <<<"$out"
+}
+kafka_await_in_sync() {
+  # A broker started again (after a kill) catches up before it is back in its partitions'
+  # ISRs; until then one more lost broker leaves some partitions below min.insync.replicas.
+  local deadline=$(( $(now) + START_TIMEOUT ))
+  until kafka_in_sync; do
+    [ "$(now)" -lt "$deadline" ] || die "kafka: partitions still under-replicated after ${START_TIMEOUT}s; see $STATE/kafka-*/kafka.log"
+    sleep 1
+  done
+}
+
+kafka_kill_leader() {  # kafka_kill_leader <topic> [partition]: kill -9 the broker leading it
+  local topic=$1 partition=${2:-} parts leader led pid
+  [ -n "$topic" ] || die "kafka-kill-leader takes a topic (and a partition, optionally)"
+  parts="$(kafka_partitions "$topic")" || true
+  [ -n "$parts" ] || die "kafka: no partitions of topic '$topic' (no such topic, or the cluster is down)"
+  if [ -n "$partition" ]; then
+    leader="$(awk -v p="$partition" '$1 == p {print $2}' <<<"$parts")"
+  else  # the broker leading most of the topic's partitions (of a tie, the lowest partition's)
+    leader="$(awk '$2 ~ /^[0-9]+$/ {n[$2]++; if (!($2 in first)) first[$2] = $1}
+      END {for (b in n) print n[b], first[b], b}' <<<"$parts" | sort -k1,1nr -k2,2n | awk 'NR == 1 {print $3}')"
+  fi
+  [[ "$leader" =~ ^[123]$ ]] || die "kafka: no live leader of $topic${partition:+ partition $partition} (got '$leader')"
+  led="$(awk -v b="$leader" '$2 == b {printf "%s%s", sep, $1; sep = ","}' <<<"$parts")"
+  pid="$(kafka_pid "$leader")" || die "kafka: node $leader leads $topic but does not run as this script's broker"
+  kill -9 "$pid" 2>/dev/null || true
+  local deadline=$(( $(now) + 30 ))
+  while kill -0 "$pid" 2>/dev/null; do
+    [ "$(now)" -lt "$deadline" ] || die "kafka: node $leader (pid $pid) did not die within 30 s"
+    sleep 0.1
+  done
+  rm -f "$(kafka_dir "$leader")/kafka.pid"
+  log "kafka: node $leader killed (kill -9), the leader of $topic partition(s) $led"
+  # Until the controller has fenced it (broker.session.timeout.ms) and moved its partitions.
+  deadline=$(( $(now) + 60 ))
+  until parts="$(kafka_partitions "$topic")" && [ -n "$parts" ] \
+      && awk -v b="$leader" -v led=",$led," \
+        'index(led, "," $1 ",") && ($2 == b || $2 !~ /^[0-9]+$/) {bad = 1} END {exit bad}' <<<"$parts"; do
+    [ "$(now)" -lt "$deadline" ] || die "kafka: partition(s) $led of $topic had no new leader within 60 s"
+    sleep 1
+  done
+  log "kafka: $topic is led by $(awk '{printf "%s%s:%s", sep, $1, $2; sep = " "}' <<<"$parts") (partition:node) now; \`$0 up kafka\` starts node $leader again"
+}
+
 # ----------------------------------------------------------------------------------------------
 cmd="${1:-up}"
 [ $# -gt 0 ] && shift
@@ -476,6 +587,8 @@ case "$cmd" in
   pg-sync)
     case "${1:-}" in on | off) pg_sync "$1"; exit 0 ;; *) die "pg-sync takes on or off" ;; esac ;;
   pg-failover) pg_failover "${1:-0}"; exit 0 ;;
+  kafka-kill-leader) mkdir -p "$STATE"; kafka_kill_leader "${1:-}" "${2:-}"; exit 0 ;;
+  rabbitmq-kill-leader) rabbit_kill_leader "${1:-}"; exit 0 ;;
   up | down | status | reset) ;;
   *) usage >&2; die "unknown command '$cmd'" ;;
 esac

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from collections.abc import Sequence
 from typing import Any
 
 import aio_pika
@@ -17,6 +18,13 @@ from tests.integration.brokers import KafkaBroker, RabbitBroker
 
 
 class ChaosRabbit(RabbitBroker):
+    """`nodes`: the Erlang node names rabbitmqctl asks (`-n`), the first that answers; none:
+    the local default node (scripts/services.sh's)."""
+
+    def __init__(self, url: str, nodes: Sequence[str] = ()) -> None:
+        super().__init__(url)
+        self.nodes = tuple(nodes)
+
     def worker_url(self, channel: str) -> str:
         return self.url
 
@@ -25,15 +33,19 @@ class ChaosRabbit(RabbitBroker):
         acknowledged* (AMQP's queue.declare counts only the ready ones, so a message a worker
         keeps failing to settle would look drained)."""
         names = {channel, *rabbitmq.delay_queues(channel)}
-        listing = await asyncio.to_thread(
-            subprocess.run,
-            ["rabbitmqctl", "-q", "list_queues", "name", "messages"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd="/",
-        )
-        if listing.returncode != 0:
+        for node in self.nodes or (None,):
+            at = ["-n", node] if node else []
+            listing = await asyncio.to_thread(
+                subprocess.run,
+                ["rabbitmqctl", "-q", *at, "list_queues", "name", "messages"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd="/",
+            )
+            if listing.returncode == 0:  # a node of a cluster may be down: the next one
+                break
+        else:
             return await super().backlog(channel)
         total = 0
         for line in listing.stdout.splitlines():

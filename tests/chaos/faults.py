@@ -213,3 +213,23 @@ def fail_over_postgres(*, lag_s: float = 0.0) -> Fault:
         return failovers
 
     return fault
+
+
+def kill_cluster_leader(service: str, name: str) -> Fault:
+    """kill -9 the node of scripts/cluster.sh's `service` (`kafka` or `rabbitmq`) that leads
+    `name` (the channel's topic, or its quorum queue) and wait until another node leads it
+    (`cluster.sh kafka-kill-leader` / `rabbitmq-kill-leader`), then start the node again
+    (`cluster.sh up`, which waits until it is back in the cluster; Kafka's: until every
+    partition's replicas are in sync), so that the next kill leaves a majority. The workers'
+    URL lists the three nodes; what they see is a leader that dies under them."""
+
+    async def fault(run: Run) -> int:
+        kills = 0
+        async for _ in run.milestones():
+            await _command("bash", CLUSTER, f"{service}-kill-leader", name)()
+            kills += 1
+            run.keep_workers()
+            await _command("bash", CLUSTER, "up", service)()
+        return kills
+
+    return fault
