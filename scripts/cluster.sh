@@ -283,7 +283,12 @@ rabbit_start() {  # rabbit_start <i>
   # loopback_users: guest may log in from 127.0.0.1 (the default); quorum queues need nothing.
   printf 'listeners.tcp.default = 127.0.0.1:%s\nloopback_users.guest = true\n' "${RABBIT_PORTS[$i]}" \
     >"$RABBIT_BASE/$n/rabbitmq.conf"
-  printf '[].\n' >"$RABBIT_BASE/$n/advanced.config"
+  # A quorum queue dead-letters at least once (the delay queues back to the work queue): its
+  # leader's dead-letter worker sends an expired message again only after this long without the
+  # target's confirm (RabbitMQ's default: 180 s). When the target's leader is killed mid-send the
+  # confirm never comes; 5 s keeps such a message from waiting out a test's drain.
+  printf '[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 5000}]}].\n' \
+    >"$RABBIT_BASE/$n/advanced.config"
   chown -R rabbitmq:rabbitmq "$RABBIT_BASE" "$RABBIT_LOGS"
   log "rabbitmq: starting $n@localhost on 127.0.0.1:${RABBIT_PORTS[$i]}"
   rabbit_as "$i" 30 /usr/lib/rabbitmq/bin/rabbitmq-server -detached >"$STATE/$n.start.out" 2>&1 </dev/null \
