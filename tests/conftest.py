@@ -32,12 +32,76 @@ AMQP_URL = os.environ.get("DEDUPE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:
 KAFKA_URL = os.environ.get("DEDUPE_TEST_KAFKA_URL", "kafka://127.0.0.1:9092")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# `make test` runs the suite in two phases (README.md, "Development"): the tests that tolerate
+# company on two pytest-xdist workers, then these alone, one at a time. A path is a folder, a
+# file or one test (its node id without parameters); each says why it cannot share the machine.
+SERIAL: dict[str, str] = {
+    "tests/chaos/": "kills and freezes worker processes against 2 s leases (CPU- and "
+    "timing-sensitive); some rows restart RabbitMQ, Kafka or PostgreSQL for everyone, "
+    "terminate backends or run scripts/cluster.sh",
+    "tests/acceptance/test_cluster_script.py": "starts and stops scripts/cluster.sh's "
+    "clusters (three Kafka brokers, three RabbitMQ nodes, a PostgreSQL pair: most of the "
+    "machine) and stops a RabbitMQ node; tests/chaos/test_chaos_failover.py uses them too",
+    "tests/acceptance/test_demo.py": "scripts/demo.py's fixed names (the dedupe_demo database, "
+    "the payments and receipts channels, .services/demo/) are shared by both brokers' runs; "
+    "two workers killed with SIGKILL mid-run",
+    "tests/integration/test_rabbitmq_consumer.py::"
+    "test_the_consumer_resumes_after_a_broker_restart_and_runs_each_key_once": "rabbitmqctl "
+    "stop_app / start_app: every other test's RabbitMQ connections are cut",
+}
+PHASES = ("all", "parallel", "serial")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--phase",
+        choices=PHASES,
+        default="all",
+        help="parallel: only the tests that may share the machine (make test runs them with "
+        "-n 2); serial: only those that must run alone (tests/conftest.py's SERIAL); "
+        "all (default): both",
+    )
+
+
+def serial_reason(item: pytest.Item) -> str | None:
+    """Why `item` must run alone (SERIAL), or None."""
+    path = Path(str(item.fspath)).relative_to(ROOT).as_posix()
+    test = f"{path}::{item.originalname}" if isinstance(item, pytest.Function) else path
+    for prefix, reason in SERIAL.items():
+        if prefix in (test, path) or (prefix.endswith("/") and path.startswith(prefix)):
+            return reason
+    return None
+
+
+def shared_scope(item: pytest.Item) -> str | None:
+    """The module of `item` when it uses a fixture set up once per module, package or class
+    (a wheel built, a virtualenv installed): pytest-xdist's loadgroup sends its tests to one
+    worker, so that the fixture is not made once on each."""
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        if any(d.scope in ("module", "package", "class") for d in defs):
+            return Path(str(item.fspath)).relative_to(ROOT).as_posix()
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouping = config.pluginmanager.hasplugin("xdist")
     for item in items:
         parts = Path(str(item.fspath)).parts
         for folder in ("integration", "acceptance", "chaos"):
             if folder in parts:
                 item.add_marker(getattr(pytest.mark, folder))
+        if serial_reason(item) is not None:
+            item.add_marker(pytest.mark.serial)
+        elif grouping and (scope := shared_scope(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(scope))
+    phase = config.getoption("phase")
+    if phase != "all":
+        keep = phase == "serial"
+        deselected = [item for item in items if bool(item.get_closest_marker("serial")) != keep]
+        if deselected:
+            items[:] = [item for item in items if bool(item.get_closest_marker("serial")) == keep]
+            config.hook.pytest_deselected(items=deselected)
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,13 @@ async def test_only_the_clean_up_leader_cleans_the_outbox(
             async def cleaned() -> bool:
                 return await left(db) == ["kept", "unsent"]
 
+            async def counted() -> int:
+                # The rows are gone at the clean-up's DELETE; its count is added after the lock's
+                # release and the pool's reset, round trips later (longer on a busy machine).
+                return processor.stats.outbox_gc_deleted
+
             await eventually(cleaned, timeout_s=10)
+            await eventually(counted, timeout_s=10)
             assert processor.stats.outbox_gc_deleted == 2
     finally:
         await leader.close()
