@@ -48,6 +48,21 @@ SERIAL: dict[str, str] = {
     "tests/integration/test_rabbitmq_consumer.py::"
     "test_the_consumer_resumes_after_a_broker_restart_and_runs_each_key_once": "rabbitmqctl "
     "stop_app / start_app: every other test's RabbitMQ connections are cut",
+    "tests/acceptance/test_worker_process.py::"
+    "test_kill_9_mid_run_and_restart_loses_nothing_and_runs_each_key_once": "kill -9 against "
+    "a 1 s lease (timing-sensitive)",
+    "tests/acceptance/test_worker_process.py::"
+    "test_a_message_that_kills_its_worker_is_dead_lettered_after_max_attempts": "kill -9 "
+    "against a 0.5 s lease, an exact count of crashes (timing-sensitive)",
+    "tests/acceptance/test_kafka_worker_process.py::"
+    "test_kill_9_mid_batch_and_restart_loses_nothing_and_runs_each_key_once": "kill -9 "
+    "against a 1 s lease (timing-sensitive)",
+    "tests/integration/test_http_api_one_transaction.py::"
+    "test_a_frozen_process_holds_the_key_until_its_session_is_ended_and_writes_nothing": "SIGSTOP "
+    "against a 2 s lease, a 409 expected inside that window (timing-sensitive)",
+    "tests/integration/test_http_api_one_transaction.py::"
+    "test_the_bound_rolls_a_long_run_back_with_a_503_and_the_retry_runs_under_a_lease": "a "
+    "1 s bound on the one-transaction run (timing-sensitive)",
 }
 PHASES = ("all", "parallel", "serial")
 

@@ -40,8 +40,9 @@ MEANING = {
     "new, drained or deleted queues",
     "batches_in_flight": "batches of one channel processed at once before the next one waits "
     "to grow: while that many run, arriving deliveries gather into one batch until one of them "
-    "ends, the batch is full (`prefetch`) or 5 ms pass (one claim statement for many deliveries "
-    "under load, none of the wait for a lone message); at least 1",
+    "ends, no more can come (the batch and the running ones hold the whole `prefetch`) or 5 ms "
+    "pass (one claim statement for many deliveries under load, none of the wait for a lone "
+    "message); at least 1",
 }
 
 

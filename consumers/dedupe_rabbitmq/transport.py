@@ -401,11 +401,11 @@ class RabbitMQTransport(Transport):
         until one of them ends, it is full, or GATHER_S pass; a lone delivery never waits.
         """
         frames = inbox.frames
-        running: set[asyncio.Task[None]] = set()
+        running: dict[asyncio.Task[None], int] = {}  # a running batch -> its deliveries
         depth = self.options.batches_in_flight
 
         def ended(task: asyncio.Task[None]) -> None:
-            running.discard(task)
+            running.pop(task, None)
             inbox.ready.set()  # the gathering batch may go
 
         while True:
@@ -413,24 +413,39 @@ class RabbitMQTransport(Transport):
                 inbox.ready.clear()
                 await inbox.ready.wait()
                 continue
-            if len(running) >= depth and len(frames) < self.batch_max:
+            if len(running) >= depth:
                 await self._gather(inbox, running, depth)
+                if not frames:  # dropped with a lost channel meanwhile
+                    continue
             count = min(len(frames), self.batch_max)
             deliveries: list[Delivery] = [
                 RabbitDelivery(self, name, frames.popleft()) for _ in range(count)
             ]
             task = asyncio.create_task(process(name, deliveries))
             processing.add(task)
-            running.add(task)
+            running[task] = count
             task.add_done_callback(processing.discard)
             task.add_done_callback(ended)
             task.add_done_callback(_log_failure)
 
-    async def _gather(self, inbox: _Inbox, running: set[asyncio.Task[None]], depth: int) -> None:
-        """Wait, at most GATHER_S, while `depth` batches run and the next is not full."""
+    async def _gather(
+        self, inbox: _Inbox, running: dict[asyncio.Task[None], int], depth: int
+    ) -> None:
+        """Wait, at most GATHER_S, while `depth` batches run and more deliveries can still
+        come: the batch is not full, and the prefetch window is not all taken by it and by the
+        running batches (their deliveries are unacked until they end)."""
+
+        def waiting() -> bool:
+            gathered = len(inbox.frames)
+            return (
+                len(running) >= depth
+                and gathered < self.batch_max
+                and gathered + sum(running.values()) < self.prefetch
+            )
+
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.GATHER_S):
-                while len(running) >= depth and len(inbox.frames) < self.batch_max:
+                while waiting():
                     inbox.ready.clear()
                     await inbox.ready.wait()  # a delivery arrived or a batch ended
 

@@ -139,9 +139,13 @@ class ClaimTransaction(Database):
                 reset = conn.get_reset_query() if self.used else ""
                 await asyncio.shield(conn.execute(f"ROLLBACK; {reset}" if reset else "ROLLBACK"))
                 conn.mark_clean()
-        except (*broken, asyncio.CancelledError):
+        except broken:
             with contextlib.suppress(*broken):
                 conn.terminate()
+        except asyncio.CancelledError:
+            with contextlib.suppress(*broken):
+                conn.terminate()
+            raise
         finally:
             with contextlib.suppress(*broken):
                 await self.pool.release(conn)

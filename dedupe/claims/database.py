@@ -3,6 +3,7 @@ errors that mean a value was refused, the numbered migrations and the schema gat
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,8 @@ import asyncpg
 from dedupe.claims.values import storable_text
 from dedupe.errors import SchemaMismatch, StoreError
 from dedupe.sql import migrations, queries
+
+logger = logging.getLogger(__name__)
 
 GC_LOCK_ID = 0x6465_6475_7065  # "dedupe": one clean-up at a time across all workers
 MIGRATE_LOCK_ID = GC_LOCK_ID + 1
@@ -75,8 +78,20 @@ class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
 async def _token_floor(conn: asyncpg.Connection) -> None:
     """Before a new connection's first statement: the token sequence past this timeline's
     floor, so that a standby promoted after an asynchronous failover never issues again a
-    token the old primary issued (queries.sql, token_floor)."""
-    await conn.execute(queries()["token_floor"])
+    token the old primary issued (queries.sql, token_floor). Never fails the connection: a
+    floor that could not be set is logged, with what to grant."""
+    try:
+        await conn.execute(queries()["token_floor"])
+        status = await conn.fetchval("SELECT current_setting('dedupe.token_floor', true)")
+    except asyncpg.PostgresError as exc:  # cut off by a statement_timeout, say
+        status = f"{exc.sqlstate} {exc}"
+    if status not in ("ok", "skipped"):
+        logger.warning(
+            "could not move dedupe_claim_tokens past this timeline's tokens (%s): after an "
+            "asynchronous failover a token could be issued twice; grant SELECT, UPDATE on "
+            "dedupe_claim_tokens to this role",
+            status,
+        )
 
 
 async def _reset(conn: asyncpg.Connection) -> None:

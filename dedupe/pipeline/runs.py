@@ -27,7 +27,7 @@ from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import DedupeError, InvalidPayload, LeaseLost, Reject, StoreError
 from dedupe.message import Message
 from dedupe.pipeline.failures import describe, retry_delay, transient
-from dedupe.pipeline.group_commit import Lanes, Member, group_commit_lanes
+from dedupe.pipeline.group_commit import GroupRolledBack, Lanes, Member, group_commit_lanes
 from dedupe.pipeline.hooks import Hooks
 from dedupe.pipeline.observers import Observer
 from dedupe.pipeline.outcomes import (
@@ -289,6 +289,10 @@ class Runner:
                 await self.hooks("handled", ticket.message, lease.fence)
             lease.completing = True
             return await self._complete(ticket, lease, writes, result)
+        except GroupRolledBack:
+            # The group gave this key back (handed back) before telling us: no heartbeat may
+            # read it as lost meanwhile; the message is requeued and the lease forgotten.
+            raise
         except BaseException:
             lease.completing = False  # the next attempt may be cancelled again
             raise

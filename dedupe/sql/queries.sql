@@ -259,24 +259,27 @@ SELECT scope, key, encode(payload_hash, 'hex') AS payload_hash, status, retryabl
 -- primary's first claim, no token of an earlier timeline can come again. The advisory lock
 -- makes the read and the setval one step (two connections setting it back and forth could
 -- issue a token twice); once past the floor, nextval only climbs, and nothing is set. On a
--- standby (recovery), or before `migrate` made the sequence, it does nothing.
+-- standby (recovery), or before `migrate` made the sequence, it does nothing. It never fails
+-- the connection: what went wrong (a role without UPDATE on the sequence, a read-only
+-- session, a server without pg_walfile_name) is left in the session setting
+-- dedupe.token_floor, which the pool's init reads and logs (dedupe.claims.database).
 DO $$
 DECLARE
     floor bigint;
 BEGIN
+    PERFORM set_config('dedupe.token_floor', 'skipped', false);
     IF pg_is_in_recovery() OR to_regclass('dedupe_claim_tokens') IS NULL THEN
         RETURN;
     END IF;
     floor := ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::bigint << 40;
-    IF (SELECT last_value FROM dedupe_claim_tokens) >= floor THEN
-        RETURN;
-    END IF;
-    PERFORM pg_advisory_xact_lock(7236510948421338418);
     IF (SELECT last_value FROM dedupe_claim_tokens) < floor THEN
-        PERFORM setval('dedupe_claim_tokens', floor);
+        PERFORM pg_advisory_xact_lock(7236510948421338418);
+        IF (SELECT last_value FROM dedupe_claim_tokens) < floor THEN
+            PERFORM setval('dedupe_claim_tokens', floor);
+        END IF;
     END IF;
-EXCEPTION WHEN insufficient_privilege THEN
-    RAISE WARNING 'dedupe-worker: cannot move dedupe_claim_tokens to this timeline''s tokens '
-        '(%): grant SELECT, UPDATE on it to the worker''s role', SQLERRM;
+    PERFORM set_config('dedupe.token_floor', 'ok', false);
+EXCEPTION WHEN OTHERS THEN
+    PERFORM set_config('dedupe.token_floor', SQLSTATE || ' ' || SQLERRM, false);
 END
 $$;
