@@ -4,9 +4,13 @@ migrate reach the live one (asyncpg tries the hosts in turn, asking for a read-w
 from __future__ import annotations
 
 import asyncio
+import logging
 from urllib.parse import urlsplit, urlunsplit
 
-from dedupe.claims.database import check_schema, migrate
+import asyncpg
+import pytest
+
+from dedupe.claims.database import check_schema, connect_pool, migrate
 from dedupe.claims.store import ClaimStore
 
 
@@ -53,3 +57,26 @@ async def test_tokens_start_at_the_timelines_floor_and_concurrent_connections_ke
         drawn = [t for tokens in await asyncio.gather(*(draw() for _ in range(12))) for t in tokens]
     assert len(set(drawn)) == len(drawn) == 600
     assert min(drawn) > floor
+
+
+async def test_a_session_that_may_not_move_the_sequence_connects_and_the_worker_log_says_so(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A session that cannot set the floor (read-only here; a role without UPDATE on the
+    sequence alike): the connection is still used (a failover is rare, a worker that cannot
+    start is not), and the worker's log says what is wrong and what to grant."""
+    admin = await asyncpg.connect(db_url)
+    try:
+        await admin.execute("SELECT setval('dedupe_claim_tokens', 5)")
+        read_only = f"{db_url}{'&' if '?' in db_url else '?'}default_transaction_read_only=on"
+        with caplog.at_level(logging.WARNING, logger="dedupe.claims.database"):
+            pool = await connect_pool(read_only, max_size=1)
+            try:
+                assert await pool.fetchval("SELECT 1") == 1
+            finally:
+                await pool.close()
+        assert "could not move dedupe_claim_tokens" in caplog.text
+        assert "read-only" in caplog.text
+        assert await admin.fetchval("SELECT last_value FROM dedupe_claim_tokens") == 5
+    finally:
+        await admin.close()

@@ -462,3 +462,37 @@ async def test_while_batches_run_the_next_one_gathers_what_arrives_and_a_lone_on
         await task
         await transport.close()
     assert await queue_state(amqp_url, channel) == (0, 0)
+
+
+async def test_a_batch_stops_gathering_once_the_prefetch_window_is_taken(
+    amqp_url: str, channel: str
+) -> None:
+    """prefetch 10, one batch in flight: while a batch of 1 runs (unacked), only 9 more can
+    come; once they are there the gathering batch goes at once, not after GATHER_S."""
+    transport = RabbitMQTransport(f"{amqp_url}?batches_in_flight=1", prefetch=10, batch_max=10)
+    transport.GATHER_S = 30.0
+    batches: list[int] = []
+    release = asyncio.Event()
+
+    async def process(name: str, deliveries: Sequence[Delivery]) -> None:
+        batches.append(len(deliveries))
+        if len(batches) == 1:
+            await release.wait()
+        await asyncio.gather(*(delivery.settle(ACK) for delivery in deliveries))
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(transport.serve([channel], process, stop))
+    try:
+        async with asyncio.timeout(20):
+            await publish_more(amqp_url, channel, range(1))
+            await eventually(polled(lambda: batches == [1]), timeout_s=5)
+            await publish_more(amqp_url, channel, range(1, 21))
+            await eventually(polled(lambda: batches == [1, 9]), timeout_s=5)
+            release.set()
+            await eventually(polled(lambda: sum(batches) == 21), timeout_s=10)
+    finally:
+        release.set()
+        stop.set()
+        await task
+        await transport.close()
+    assert await queue_state(amqp_url, channel) == (0, 0)

@@ -4,6 +4,7 @@ a partition that hands long deferrals to the broker and runs a retry topic's cop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -122,6 +123,8 @@ class Retrying:
     calls: list[list[tuple[int, int]]] = field(default_factory=list)
     messages: list[tuple[float, str, int, object, object]] = field(default_factory=list)
     paused: int = 0
+    carry_ok: bool = True  # what the broker says to a copy carried on
+    carried: list[tuple[int, float]] = field(default_factory=list)  # offset, wait left
     work: PartitionWork = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +139,7 @@ class Retrying:
             batches_in_flight=2,
             defer=self.defer,
             retry=self.retry,
+            carry_on=self.carry_on,
         )
 
     async def process(self, channel: str, deliveries: Sequence[Delivery]) -> None:
@@ -159,6 +163,10 @@ class Retrying:
         self, record: Record, settlement: Settlement, closing: Callable[[], bool]
     ) -> bool:
         return True
+
+    async def carry_on(self, record: Record, wait_s: float) -> bool:
+        self.carried.append((record.offset, wait_s))
+        return self.carry_ok
 
     def pause(self, tp: TP) -> None:
         self.paused += 1
@@ -321,3 +329,28 @@ def test_a_copy_due_after_its_buckets_bound_still_waits_and_a_far_or_near_one_do
     assert still_waiting(record(now + 30 * 24 * 3600), now) == 0  # not a deferral we wrote
     bad = SimpleNamespace(headers=[("x-dedupe-due-at", b"soon")])
     assert still_waiting(bad, now) == 0
+
+
+def long_copy(offset: int, *, due_in_s: float) -> Record:
+    """A copy in .retry.5s written 6 s ago (its bucket's bound made it due) whose due time is
+    `due_in_s` away."""
+    return dataclasses.replace(
+        copy_of(offset, due_in_s=due_in_s), timestamp=int((time.time() - 6) * 1000)
+    )
+
+
+@pytest.mark.parametrize("broker_takes_it", [True, False])
+async def test_copies_due_later_than_their_bucket_are_carried_on_or_run_if_the_broker_refuses(
+    broker_takes_it: bool,
+) -> None:
+    r = Retrying(tp=TP("orders.retry.5s"), retry=("orders", 5.0), carry_ok=broker_takes_it)
+    await r.run([long_copy(0, due_in_s=100), long_copy(1, due_in_s=100), copy_of(2, due_in_s=-1)])
+    if broker_takes_it:
+        assert [offset for offset, _ in r.carried] == [0, 1]
+        assert all(90 < wait <= 100 for _, wait in r.carried)
+        assert r.calls == [[(2, 2)]]  # only the one really due ran
+    else:
+        # The first refusal ends the carrying: the batch runs, none waits a send timeout more.
+        assert [offset for offset, _ in r.carried] == [0]
+        assert [run for call in r.calls for run in call] == [(0, 2), (1, 2), (2, 2)]
+    assert r.work.position() == 3
