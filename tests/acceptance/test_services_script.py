@@ -17,8 +17,10 @@ def _limit(pid: str, name: str) -> int:
 def test_the_rabbitmq_node_may_open_more_files_than_the_pam_default() -> None:
     """Started through `su`, the node would get 1024 open files (pam_limits) and stall at boot
     while recovering more durable queues than that; services.sh raises the limit."""
+    # The nodes (`-s rabbit boot`), not the Erlang VMs of rabbitmqctl calls that other tests
+    # run meanwhile (as the rabbitmq user too, with pam's 1024 files, and short-lived).
     found = subprocess.run(
-        ["pgrep", "-u", "rabbitmq", "-f", "beam.smp.*rabbit"],
+        ["pgrep", "-u", "rabbitmq", "-f", "beam.smp.*-s rabbit boot"],
         capture_output=True,
         text=True,
         timeout=10,
