@@ -141,6 +141,15 @@ async def db_url(_test_databases: None) -> AsyncIterator[str]:
 
 
 @pytest.fixture
+async def orders_db(db_url: str) -> str:
+    """The test's database with the tables of handlers/orders_api.py (the HTTP API's tests)."""
+    from handlers.orders_api import setup
+
+    await setup(db_url)
+    return db_url
+
+
+@pytest.fixture
 async def store(db_url: str) -> AsyncIterator[ClaimStore]:
     async with ClaimStore.open(db_url, owner="test", max_size=20) as claim_store:
         yield claim_store

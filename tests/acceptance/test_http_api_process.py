@@ -10,8 +10,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,67 +23,20 @@ from hypothesis import strategies as st
 from dedupe.asgi.keys import principal_hash
 from tests.acceptance.conftest import run_cli
 from tests.apps.http_api import TEST_SECRET
-from tests.conftest import CHECKOUT_PATH, ROOT
+from tests.integration.http_server import ApiProcesses
 
 LEASE_S = 6.0  # longer than a restart of the API process on a busy machine
 TOKEN = "Bearer process-test-token"
 HEADERS = {"Authorization": TOKEN}
 SCOPE = f"shop.http/{principal_hash(TOKEN, TEST_SECRET.encode())}"
-UVICORN = [sys.executable, "-m", "uvicorn", "--factory", "tests.apps.http_api:from_environment"]
 # The killed request pauses 30 s (a header, not fingerprinted); its retry, the same request
 # without the header, answers at once.
 SLOW = {"s": "0"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Api:
-    """`uvicorn --factory tests.apps.http_api:from_environment` processes on one port."""
-
+class Api(ApiProcesses):
     def __init__(self, db_url: str, logs: Path) -> None:
-        self.db_url, self.logs = db_url, logs
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "DEDUPE_DATABASE_URL": self.db_url,
-            "HTTP_API_LEASE_S": str(LEASE_S),
-            "PYTHONPATH": CHECKOUT_PATH,
-        }
-        log = open(self.logs / f"api-{len(self.procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [*UVICORN, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.procs.append(proc)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (self.logs / f"api-{len(self.procs) - 1}.log").read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base}/orders/0", timeout=1).status_code == 404:
-                    return proc
-            time.sleep(0.1)
-        raise AssertionError("the API did not start within 30 s")
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+        super().__init__(db_url, logs, lease_s=LEASE_S)
 
 
 @pytest.fixture

@@ -12,19 +12,12 @@ import asyncpg
 import httpx
 import pytest
 
-from handlers.orders_api import setup
 from tests.apps.http_api import create_test_api
 from tests.conftest import eventually
 from tests.integration.http_server import serving
 
 ALICE = {"Authorization": "Bearer alice-secret-token"}
 BOB = {"Authorization": "Bearer bob-secret-token"}
-
-
-@pytest.fixture
-async def orders_db(db_url: str) -> str:
-    await setup(db_url)
-    return db_url
 
 
 @pytest.fixture

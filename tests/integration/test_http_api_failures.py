@@ -25,14 +25,6 @@ SECRET = "Bearer s3cr3t-credential-ZQX"
 
 
 @pytest.fixture
-async def orders_db(db_url: str) -> str:
-    from handlers.orders_api import setup
-
-    await setup(db_url)
-    return db_url
-
-
-@pytest.fixture
 async def api(orders_db: str) -> AsyncIterator[httpx.AsyncClient]:
     async with serving(create_test_api(orders_db)) as base, client_of(base) as client:
         yield client

@@ -14,18 +14,11 @@ import pytest
 from dedupe import App
 from dedupe.asgi import IdempotencyMiddleware
 from dedupe.errors import ConfigurationError
-from handlers.orders_api import setup
 from tests.apps.http_api import create_test_api
 from tests.integration.http_server import serving
 from tests.integration.test_http_api import ALICE, client_of, orders
 
 SESSION = {"Cookie": "session=browser-session-1"}
-
-
-@pytest.fixture
-async def orders_db(db_url: str) -> str:
-    await setup(db_url)
-    return db_url
 
 
 @pytest.fixture

@@ -10,10 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,17 +21,10 @@ import httpx
 import pytest
 
 from dedupe.errors import ConfigurationError
-from handlers.orders_api import setup
 from tests.apps.http_api import create_test_api
-from tests.conftest import CHECKOUT_PATH, ROOT
-from tests.integration.http_server import serving
+from tests.conftest import eventually
+from tests.integration.http_server import ApiProcesses, serving
 from tests.integration.test_http_api import client_of, orders, post
-
-
-@pytest.fixture
-async def orders_db(db_url: str) -> str:
-    await setup(db_url)
-    return db_url
 
 
 @pytest.fixture
@@ -74,13 +64,6 @@ async def open_transactions(db: asyncpg.Connection) -> int:
             " AND pid <> pg_backend_pid()"
         )
     )
-
-
-async def until(predicate: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met"
-        await asyncio.sleep(0.02)
 
 
 # -- one commit ----------------------------------------------------------------------------
@@ -134,7 +117,7 @@ async def test_nothing_of_a_request_is_visible_until_its_response_commits(
     """While the endpoint runs, neither its claim nor its order exists for anyone else; then
     both, the claim completed with the response, in the same transaction (the same xmin)."""
     first = asyncio.ensure_future(post(api, "v-1", {}, "/slow", params={"s": 0.6}))
-    await until(lambda: open_transactions(db))
+    await eventually(lambda: open_transactions(db))
     await asyncio.sleep(0.2)
     assert await db.fetchval("SELECT count(*) FROM dedupe_claims") == 0
     assert await db.fetchval("SELECT count(*) FROM orders") == 0
@@ -174,10 +157,10 @@ async def test_a_concurrent_duplicate_waits_on_the_row_lock_then_replays(
     """The duplicate's claim waits on the first one's uncommitted row (seen in
     pg_stat_activity), then finds it completed: the first answer again, one order."""
     first = asyncio.ensure_future(post(api, "d-1", {}, "/slow", params={"s": 0.8}))
-    await until(lambda: open_transactions(db))
+    await eventually(lambda: open_transactions(db))
     started = time.monotonic()
     duplicate = asyncio.ensure_future(post(api, "d-1", {}, "/slow", params={"s": 0.8}))
-    await until(lambda: waiting_on_a_lock(db))
+    await eventually(lambda: waiting_on_a_lock(db))
     one, two = await first, await duplicate
     assert one.status_code == two.status_code == 201
     assert two.content == one.content and two.headers["idempotent-replayed"] == "true"
@@ -189,9 +172,9 @@ async def test_a_concurrent_request_with_another_body_waits_then_gets_422(
     api: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
     first = asyncio.ensure_future(post(api, "d-2", {"a": 1}, "/slow", params={"s": 0.6}))
-    await until(lambda: open_transactions(db))
+    await eventually(lambda: open_transactions(db))
     other = asyncio.ensure_future(post(api, "d-2", {"a": 2}, "/slow", params={"s": 0.6}))
-    await until(lambda: waiting_on_a_lock(db))
+    await eventually(lambda: waiting_on_a_lock(db))
     one, two = await first, await other
     assert one.status_code == 201 and two.status_code == 422, two.text
     assert await db.fetchval("SELECT count(*) FROM orders") == 1
@@ -215,7 +198,7 @@ async def test_a_duplicate_that_waits_past_lock_timeout_gets_409(
     asgi = create_test_api(orders_db, one_transaction=True, lease_s=3.0)
     async with serving(asgi) as base, client_of(base) as client:
         first = asyncio.ensure_future(post(client, "t-1", {}, "/slow", params={"s": 2.5}))
-        await until(lambda: open_transactions(db))
+        await eventually(lambda: open_transactions(db))
         started = time.monotonic()
         duplicate = await post(client, "t-1", {}, "/slow", params={"s": 2.5})
         waited = time.monotonic() - started
@@ -350,7 +333,7 @@ async def test_a_predicate_chooses_the_requests_that_take_one_transaction(
     asgi = create_test_api(orders_db, one_transaction=lambda method, path: path == "/orders")
     async with serving(asgi) as base, client_of(base) as client:
         one = asyncio.ensure_future(post(client, "p-1", {}, "/slow", params={"s": 0.5}))
-        await until(lambda: db.fetchval("SELECT count(*) FROM dedupe_claims"))  # committed
+        await eventually(lambda: db.fetchval("SELECT count(*) FROM dedupe_claims"))  # committed
         assert (await one).status_code == 201
         assert (await post(client, "p-2", {"sku": "a"})).status_code == 201
     assert await db.fetchval("SELECT count(*) FROM orders") == 2
@@ -358,58 +341,14 @@ async def test_a_predicate_chooses_the_requests_that_take_one_transaction(
 
 # -- crashes: a uvicorn process killed or frozen mid-endpoint --------------------------------
 
-UVICORN = [sys.executable, "-m", "uvicorn", "--factory", "tests.apps.http_api:from_environment"]
 TOKEN = {"Authorization": "Bearer one-transaction-process"}
 
 
-class Api:
-    """`uvicorn --factory tests.apps.http_api:from_environment` in one-transaction mode."""
+class Api(ApiProcesses):
+    """The test API's processes in one-transaction mode."""
 
     def __init__(self, db_url: str, logs: Path, lease_s: float) -> None:
-        from tests.acceptance.test_http_api_process import free_port
-
-        self.db_url, self.logs, self.lease_s = db_url, logs, lease_s
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self) -> subprocess.Popen[bytes]:
-        env = {
-            **os.environ,
-            "DEDUPE_DATABASE_URL": self.db_url,
-            "HTTP_API_LEASE_S": str(self.lease_s),
-            "HTTP_API_ONE_TRANSACTION": "1",
-            "PYTHONPATH": CHECKOUT_PATH,
-        }
-        log = open(self.logs / f"api-{len(self.procs)}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [*UVICORN, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.procs.append(proc)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (self.logs / f"api-{len(self.procs) - 1}.log").read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base}/orders/0", timeout=1).status_code == 404:
-                    return proc
-            time.sleep(0.1)
-        raise AssertionError("the API did not start within 30 s")
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGCONT)
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+        super().__init__(db_url, logs, lease_s=lease_s, env={"HTTP_API_ONE_TRANSACTION": "1"})
 
 
 @contextlib.contextmanager
@@ -444,12 +383,12 @@ async def test_a_kill_9_mid_endpoint_leaves_no_claim_and_the_retry_runs_at_once(
     with process_api(orders_db, tmp_path, lease_s=30) as api:
         victim = await asyncio.to_thread(api.start)
         killed = asyncio.ensure_future(send(api, "k-1", pause_s=30))
-        await until(lambda: open_transactions(db), timeout_s=20)
+        await eventually(lambda: open_transactions(db), timeout_s=20)
         await asyncio.sleep(0.3)  # the order is inserted (uncommitted) by now
         victim.send_signal(signal.SIGKILL)
         await asyncio.to_thread(victim.wait, 10)
         assert isinstance(await killed, httpx.HTTPError)
-        await until(lambda: _no_open(db), timeout_s=10)
+        await eventually(lambda: _no_open(db), timeout_s=10)
         assert await db.fetchval("SELECT count(*) FROM dedupe_claims") == 0
         assert await db.fetchval("SELECT count(*) FROM orders") == 0
         await asyncio.to_thread(api.start)
@@ -484,7 +423,7 @@ async def test_a_frozen_process_holds_the_key_until_its_session_is_ended_and_wri
         zombie = await asyncio.to_thread(api.start)
         await asyncio.to_thread(other.start)
         frozen = asyncio.ensure_future(send(api, "z-1", pause_s=1.5, timeout_s=60))
-        await until(lambda: open_transactions(db), timeout_s=20)
+        await eventually(lambda: open_transactions(db), timeout_s=20)
         await asyncio.sleep(0.2)
         zombie.send_signal(signal.SIGSTOP)
         frozen_at = time.monotonic()

@@ -18,17 +18,10 @@ import pytest
 from dedupe import App
 from dedupe.asgi import IdempotencyMiddleware
 from dedupe.errors import ConfigurationError
-from handlers.orders_api import setup
 from tests.apps.http_api import TEST_SECRET, create_test_api
 from tests.conftest import eventually
 from tests.integration.http_server import serving
 from tests.integration.test_http_api import ALICE, client_of, orders, post
-
-
-@pytest.fixture
-async def orders_db(db_url: str) -> str:
-    await setup(db_url)
-    return db_url
 
 
 async def claim_row(db: asyncpg.Connection) -> asyncpg.Record:
