@@ -28,6 +28,25 @@ class Effects(Protocol):
     async def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
 
 
+# What a broken connection raises on its way out (a rollback or a release after the server
+# or the network dropped it): such a connection is terminated, never handed back as it is.
+BROKEN_CONNECTION: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+)
+
+
+def connection_gone(conn: asyncpg.Connection) -> bool:
+    """Whether the connection is gone (a pooled one lost mid-transaction is detached from its
+    proxy, which then refuses every call)."""
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True
+
+
 class Database:
     """`ctx.db`: an asyncpg connection in the transaction that also records the outcome.
 
@@ -95,12 +114,7 @@ class Database:
         conn, tx, self._conn, self._tx = self._conn, self._tx, None, None
         if conn is None:
             return
-        broken = (
-            asyncpg.PostgresError,
-            asyncpg.InterfaceError,
-            asyncpg.InternalClientError,
-            OSError,
-        )
+        broken = BROKEN_CONNECTION
         try:
             if tx is not None:
                 await tx.rollback()

@@ -37,7 +37,7 @@ from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun
 from dedupe.claims.batching import Batcher
 from dedupe.claims.completion import Completion
 from dedupe.claims.records import ClaimRequest
-from dedupe.context import Database
+from dedupe.context import BROKEN_CONNECTION, Database, connection_gone
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import DedupeError
 from dedupe.sql import queries
@@ -126,14 +126,9 @@ class ClaimTransaction(Database):
         conn, self.conn = self.conn, None
         if conn is None:
             return
-        broken = (
-            asyncpg.PostgresError,
-            asyncpg.InterfaceError,
-            asyncpg.InternalClientError,
-            OSError,
-        )
+        broken = BROKEN_CONNECTION
         try:
-            if not self.committed and not _closed(conn):
+            if not self.committed and not connection_gone(conn):
                 # The ROLLBACK carries the pool's reset when the endpoint used the connection
                 # (it may have left session state); one round trip either way.
                 reset = conn.get_reset_query() if self.used else ""
@@ -176,20 +171,14 @@ async def claim(
     owner: str,
     retention_s: float,
 ) -> Claimed:
-    """BEGIN with the bounds and claim the key inside the transaction (dedupe/sql/http.sql,
-    claim_in_transaction), in two round trips. A key another transaction holds raises
+    """BEGIN with the bounds and claim the key inside the transaction (queries.sql,
+    claim_one_transaction), in two round trips. A key another transaction holds raises
     asyncpg.LockNotAvailableError after bounds.lock_s; driver errors are raised as they come."""
     assert db.conn is not None
     await db.conn.execute(bounds.begin())
     row = await db.conn.fetchrow(
-        queries("http.sql")["claim_in_transaction"],
-        request.scope,
-        request.key,
-        request.payload_hash,
-        request.fingerprint,
-        request.raw_hash,
-        request.payload,
-        owner,
+        queries()["claim_one_transaction"],
+        *request.row(owner),
         float(bounds.run_s),
         float(retention_s),
         secrets.randbits(63),
@@ -220,7 +209,7 @@ class LookUps:
     async def _flush(self, batch: Sequence[ClaimRequest]) -> list[Claimed]:
         async with self.pool.acquire() as conn:
             rows = await conn.fetch(
-                queries("http.sql")["look_up"],
+                queries()["look_up"],
                 [r.scope for r in batch],
                 [r.key for r in batch],
                 [r.payload_hash for r in batch],
@@ -335,15 +324,6 @@ def too_long() -> Problem:
         "retry runs without the bound",
         TOO_LONG_RETRY_AFTER_S,
     )
-
-
-def _closed(conn: asyncpg.Connection) -> bool:
-    """Whether the connection is gone (a pooled one lost mid-transaction is detached from its
-    proxy, which then refuses every call)."""
-    try:
-        return bool(conn.is_closed())
-    except asyncpg.InterfaceError:
-        return True
 
 
 __all__ = [

@@ -57,6 +57,21 @@ class ClaimRequest:
     def ident(self) -> KeyId:
         return KeyId(self.scope, self.key)
 
+    def row(
+        self, owner: str
+    ) -> tuple[str, str, bytes, str | None, bytes | None, bytes | None, str]:
+        """The first seven parameters ($1..$7) of every one-key insert of a claim row (the
+        workers' and the HTTP middleware's one-transaction claims, first_attempt_failed)."""
+        return (
+            self.scope,
+            self.key,
+            self.payload_hash,
+            self.fingerprint,
+            self.raw_hash,
+            self.payload,
+            owner,
+        )
+
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see above
 class Claim:

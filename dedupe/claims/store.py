@@ -157,7 +157,7 @@ class ClaimStore:
         are raised as they come (the caller's transaction is over either way)."""
         token = await conn.fetchval(
             self._q["claim_one_transaction"],
-            *self._new_row(request),
+            *request.row(self.owner),
             float(lease_s),
             float(retention_s),
             secrets.randbits(63),
@@ -169,21 +169,9 @@ class ClaimStore:
         back (a claim with attempts = 1, its lease over, handed back); False when the key has
         a row already (claimed meanwhile by another delivery, whose outcome decides)."""
         rows = await self._fetch(
-            "first_attempt_failed", *self._new_row(request), float(retention_s)
+            "first_attempt_failed", *request.row(self.owner), float(retention_s)
         )
         return bool(rows)
-
-    def _new_row(self, request: ClaimRequest) -> tuple[Any, ...]:
-        """The first seven parameters of a one-key insert of a claim row ($1..$7)."""
-        return (
-            request.scope,
-            request.key,
-            request.payload_hash,
-            request.fingerprint,
-            request.raw_hash,
-            request.payload,
-            self.owner,
-        )
 
     async def warm_up(self, connections: int, *, timeout_s: float = 5.0) -> None:
         """Open up to `connections` pooled connections (never more than the pool holds) and

@@ -51,7 +51,7 @@ from dedupe.claims.database import TRANSIENT_ERRORS
 from dedupe.claims.records import Fence
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import encode_result, storable_text
-from dedupe.context import Context
+from dedupe.context import Context, connection_gone
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import DedupeError, InvalidPayload, StoreError
 from dedupe.message import Message
@@ -184,7 +184,7 @@ class OneTransaction:
             broken = True
             try:
                 outcome = await self._in_transaction(conn, ticket, payload)
-                broken = _closed(conn)
+                broken = connection_gone(conn)
             finally:
                 if broken:
                     with contextlib.suppress(Exception):
@@ -254,13 +254,13 @@ class OneTransaction:
             except TimeoutError as exc:
                 if effects.step_called:
                     return STEP
-                if _closed(conn):
+                if connection_gone(conn):
                     return STORE
                 return _Failed(exc) if counted else TOO_LONG
             except Exception as exc:
                 if effects.step_called:
                     return STEP
-                if _closed(conn):
+                if connection_gone(conn):
                     return STORE
                 return _Failed(exc)
             finally:
@@ -285,11 +285,11 @@ class OneTransaction:
             except asyncpg.IntegrityConstraintViolationError as exc:  # a deferred constraint
                 return _Failed(exc)
             except (*TRANSIENT_ERRORS, asyncpg.PostgresError, StoreError) as exc:
-                if _closed(conn) or not isinstance(exc, StoreError):
+                if connection_gone(conn) or not isinstance(exc, StoreError):
                     return STORE
                 return _Failed(exc)
         finally:
-            if not committed and not _closed(conn):
+            if not committed and not connection_gone(conn):
                 try:
                     await asyncio.shield(conn.execute("ROLLBACK"))
                 except BaseException:
@@ -347,15 +347,6 @@ class OneTransaction:
                 detail=f"retry parked after attempt 1: {describe(error)}",
             )
         return self._left(FAILED)
-
-
-def _closed(conn: asyncpg.Connection) -> bool:
-    """Whether the connection is gone (a pooled one lost mid-transaction is detached from its
-    proxy, which then refuses every call)."""
-    try:
-        return bool(conn.is_closed())
-    except asyncpg.InterfaceError:
-        return True
 
 
 def _log(handler: Handler, ticket: Ticket, fence: Fence) -> logging.LoggerAdapter[logging.Logger]:

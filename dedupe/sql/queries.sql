@@ -92,27 +92,45 @@ CROSS JOIN LATERAL (
 ) s;
 
 -- name: claim_one_transaction
--- One-transaction mode (dedupe/pipeline/one_transaction.py): a first delivery claims its key
--- inside the transaction that then runs the handler and records the completion. Only a key
--- without a row is claimed here: a row of any state (committed) answers nothing back and the
--- message goes to the two-commit claim (claim_batch), which decides as usual. A row another
--- transaction inserted and has not committed makes this statement wait for it (bounded by the
--- transaction's lock_timeout): once it commits, nothing comes back; once it rolls back, the
--- key is ours. Attempts start at 1, as in claim_batch; the token comes from the same sequence.
--- The lock_timeout bounds this claim alone: RETURNING (evaluated once the row is in) lifts it
--- for the rest of the transaction, whose statements statement_timeout bounds instead.
--- The NOT EXISTS read of the statement's snapshot leaves a key with a committed row (a
--- duplicate) out before the select list draws a token, so a duplicate burns no sequence value.
-INSERT INTO dedupe_claims AS c
-    (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
-     attempts, lease_until, expires_at, claim_request_id)
-SELECT $1::text, $2::text, $3::bytea, $4::text, $5::bytea, $6::bytea, 'in_progress',
-       nextval('dedupe_claim_tokens'), $7::text, 1,
-       now() + make_interval(secs => $8::float8), now() + make_interval(secs => $9::float8),
-       $10::bigint
-WHERE NOT EXISTS (SELECT 1 FROM dedupe_claims f WHERE f.scope = $1::text AND f.key = $2::text)
-ON CONFLICT (scope, key) DO NOTHING
-RETURNING c.token, set_config('lock_timeout', '0', true) AS lock_timeout;
+-- One-transaction mode, of the workers (dedupe/pipeline/one_transaction.py) and of the HTTP
+-- middleware (dedupe/asgi/one_transaction.py): a first delivery or a new keyed request claims
+-- its key inside the transaction that then runs the handler or the endpoint and records the
+-- completion. Only a key without a row is claimed here: a row of any state (committed) is
+-- not, and the message or request goes to the two-commit claim (claim_batch), which decides
+-- as usual. A row another transaction inserted and has not committed makes this statement
+-- wait for it (bounded by the transaction's lock_timeout): once it commits, nothing is
+-- inserted; once it rolls back, the key is ours. Attempts start at 1, as in claim_batch; the
+-- token comes from the same sequence. The lock_timeout bounds this claim alone: set_config
+-- (evaluated once the row is in) lifts it for the rest of the transaction, whose statements
+-- statement_timeout bounds instead. The NOT EXISTS read of the statement's snapshot leaves a
+-- key with a committed row (a duplicate) out before a token is drawn, so a duplicate burns no
+-- sequence value and writes nothing. The first column is the token (NULL: not claimed); for a
+-- key with a committed row the others give that row's state, read in the statement's
+-- snapshot (status, stored result, whether the request is the same: claim_batch's comparison)
+-- so that the middleware answers a replay from this one round trip; a row committed while
+-- the statement waited is not seen (NULLs), and the two-commit claim decides.
+-- $1..$7 ClaimRequest.row (scope, key, payload hash, fingerprint scheme, raw hash, kept
+-- payload, owner), $8 lease (s), $9 retention (s), $10 claim request id.
+WITH claimed AS (
+    INSERT INTO dedupe_claims AS c
+        (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
+         attempts, lease_until, expires_at, claim_request_id)
+    SELECT $1::text, $2::text, $3::bytea, $4::text, $5::bytea, $6::bytea, 'in_progress',
+           nextval('dedupe_claim_tokens'), $7::text, 1,
+           now() + make_interval(secs => $8::float8), now() + make_interval(secs => $9::float8),
+           $10::bigint
+    WHERE NOT EXISTS (SELECT 1 FROM dedupe_claims f WHERE f.scope = $1::text AND f.key = $2::text)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING c.token
+)
+SELECT cl.token, set_config('lock_timeout', '0', true) AS lock_timeout,
+       e.status, e.result::text AS result,
+       CASE WHEN e.fingerprint IS NOT DISTINCT FROM $4::text THEN e.payload_hash = $3::bytea
+            WHEN e.fingerprint IS NULL THEN e.payload_hash = coalesce($5::bytea, $3::bytea)
+            ELSE true END AS same_payload
+FROM (SELECT 1) AS one
+LEFT JOIN claimed cl ON true
+LEFT JOIN dedupe_claims e ON cl.token IS NULL AND e.scope = $1::text AND e.key = $2::text;
 
 -- name: first_attempt_failed
 -- One-transaction mode: the run of a first delivery failed and its transaction rolled back
@@ -283,3 +301,19 @@ EXCEPTION WHEN OTHERS THEN
     PERFORM set_config('dedupe.token_floor', SQLSTATE || ' ' || SQLERRM, false);
 END
 $$;
+
+-- name: look_up
+-- The HTTP middleware, before a one-transaction claim (dedupe/asgi/one_transaction.py): the
+-- rows of many keys in one read, shared by concurrent requests (no lock, no write, no
+-- transaction id). A key without a row goes on to claim_one_transaction; a replay (completed, the same request) is answered from here, as the
+-- two-commit claim_batch answers it from its own read; any other row goes to claim_batch.
+-- $1 scopes, $2 keys, $3 payload hashes, $4 fingerprint schemes, $5 raw hashes (one per key).
+SELECT e.status, e.result::text AS result,
+       CASE WHEN e.status IS NULL THEN NULL
+            WHEN e.fingerprint IS NOT DISTINCT FROM i.fingerprint THEN e.payload_hash = i.payload_hash
+            WHEN e.fingerprint IS NULL THEN e.payload_hash = coalesce(i.raw_hash, i.payload_hash)
+            ELSE true END AS same_payload
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bytea[])
+         WITH ORDINALITY AS i(scope, key, payload_hash, fingerprint, raw_hash, n)
+LEFT JOIN dedupe_claims e ON e.scope = i.scope AND e.key = i.key
+ORDER BY i.n;
