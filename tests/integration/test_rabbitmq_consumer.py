@@ -49,20 +49,64 @@ async def serving(
 ) -> AsyncIterator[list[Message]]:
     """The transport alone, no core: each delivery's message is recorded, then `settle`d."""
     seen: list[Message] = []
-    stop = asyncio.Event()
 
     async def process(name: str, deliveries: Sequence[Delivery]) -> None:
         for delivery in deliveries:
             seen.append(delivery.message)
         await asyncio.gather(*(settle(delivery) for delivery in deliveries))
 
+    async with consuming(transport, channel, process):
+        yield seen
+
+
+@contextlib.asynccontextmanager
+async def consuming(
+    transport: RabbitMQTransport,
+    channel: str,
+    process: Callable[[str, Sequence[Delivery]], Awaitable[None]],
+) -> AsyncIterator[None]:
+    """The transport alone, serving `process`, until the block ends; then closed."""
+    stop = asyncio.Event()
     task = asyncio.create_task(transport.serve([channel], process, stop))
     try:
-        yield seen
+        yield
     finally:
         stop.set()
         await task
         await transport.close()
+
+
+class HeldBatches:
+    """A `process` that records each batch's size and acks it; after `hold_next()` the next
+    batch waits until `release()` (or the end of the `async with`)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self._holding = False
+        self._released = asyncio.Event()
+
+    def hold_next(self) -> None:
+        self._holding, self._released = True, asyncio.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    @property
+    def held(self) -> bool:
+        return not self._released.is_set()
+
+    async def __call__(self, name: str, deliveries: Sequence[Delivery]) -> None:
+        self.sizes.append(len(deliveries))
+        if self._holding:
+            self._holding = False
+            await self._released.wait()
+        await asyncio.gather(*(delivery.settle(ACK) for delivery in deliveries))
+
+    async def __aenter__(self) -> HeldBatches:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
 
 
 async def queue_state(amqp_url: str, name: str) -> tuple[int, int]:
@@ -420,47 +464,30 @@ async def test_while_batches_run_the_next_one_gathers_what_arrives_and_a_lone_on
     GATHER_S at most; a delivery with nothing running goes at once."""
     transport = RabbitMQTransport(f"{amqp_url}?batches_in_flight=1", prefetch=100, batch_max=100)
     transport.GATHER_S = 30.0  # nothing below waits for it unless the gathering is wrong
-    batches: list[int] = []
-    hold = [True]
-    release = asyncio.Event()
-
-    async def process(name: str, deliveries: Sequence[Delivery]) -> None:
-        batches.append(len(deliveries))
-        if hold[0]:
-            hold[0] = False
-            await release.wait()
-        await asyncio.gather(*(delivery.settle(ACK) for delivery in deliveries))
+    batches = HeldBatches()
 
     def arrived() -> int:
         return len(transport._inboxes[channel].frames)
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(transport.serve([channel], process, stop))
-    try:
-        async with asyncio.timeout(20):
-            # A lone delivery goes at once (it would wait 30 s if it gathered), and is held.
-            await publish_more(amqp_url, channel, range(1))
-            await eventually(polled(lambda: batches == [1]), timeout_s=5)
-            # 40 more arrive while it runs: they gather, and go as one batch when it ends.
-            await publish_more(amqp_url, channel, range(1, 41))
-            await eventually(polled(lambda: arrived() == 40), timeout_s=5)
-            assert batches == [1]
-            release.set()
-            await eventually(polled(lambda: batches == [1, 40]), timeout_s=5)
-            # A batch that never ends holds the next one back GATHER_S at most.
-            transport.GATHER_S = 0.5
-            hold[0], release = True, asyncio.Event()
-            await publish_more(amqp_url, channel, range(41, 42))
-            await eventually(polled(lambda: batches == [1, 40, 1]), timeout_s=5)
-            await publish_more(amqp_url, channel, range(42, 52))
-            await eventually(polled(lambda: batches == [1, 40, 1, 10]), timeout_s=5)
-            assert not release.is_set()
-            release.set()
-    finally:
-        release.set()
-        stop.set()
-        await task
-        await transport.close()
+    async with consuming(transport, channel, batches), batches, asyncio.timeout(20):
+        # A lone delivery goes at once (it would wait 30 s if it gathered), and is held.
+        batches.hold_next()
+        await publish_more(amqp_url, channel, range(1))
+        await eventually(polled(lambda: batches.sizes == [1]), timeout_s=5)
+        # 40 more arrive while it runs: they gather, and go as one batch when it ends.
+        await publish_more(amqp_url, channel, range(1, 41))
+        await eventually(polled(lambda: arrived() == 40), timeout_s=5)
+        assert batches.sizes == [1]
+        batches.release()
+        await eventually(polled(lambda: batches.sizes == [1, 40]), timeout_s=5)
+        # A batch that never ends holds the next one back GATHER_S at most.
+        transport.GATHER_S = 0.5
+        batches.hold_next()
+        await publish_more(amqp_url, channel, range(41, 42))
+        await eventually(polled(lambda: batches.sizes == [1, 40, 1]), timeout_s=5)
+        await publish_more(amqp_url, channel, range(42, 52))
+        await eventually(polled(lambda: batches.sizes == [1, 40, 1, 10]), timeout_s=5)
+        assert batches.held
     assert await queue_state(amqp_url, channel) == (0, 0)
 
 
@@ -471,28 +498,13 @@ async def test_a_batch_stops_gathering_once_the_prefetch_window_is_taken(
     come; once they are there the gathering batch goes at once, not after GATHER_S."""
     transport = RabbitMQTransport(f"{amqp_url}?batches_in_flight=1", prefetch=10, batch_max=10)
     transport.GATHER_S = 30.0
-    batches: list[int] = []
-    release = asyncio.Event()
-
-    async def process(name: str, deliveries: Sequence[Delivery]) -> None:
-        batches.append(len(deliveries))
-        if len(batches) == 1:
-            await release.wait()
-        await asyncio.gather(*(delivery.settle(ACK) for delivery in deliveries))
-
-    stop = asyncio.Event()
-    task = asyncio.create_task(transport.serve([channel], process, stop))
-    try:
-        async with asyncio.timeout(20):
-            await publish_more(amqp_url, channel, range(1))
-            await eventually(polled(lambda: batches == [1]), timeout_s=5)
-            await publish_more(amqp_url, channel, range(1, 21))
-            await eventually(polled(lambda: batches == [1, 9]), timeout_s=5)
-            release.set()
-            await eventually(polled(lambda: sum(batches) == 21), timeout_s=10)
-    finally:
-        release.set()
-        stop.set()
-        await task
-        await transport.close()
+    batches = HeldBatches()
+    async with consuming(transport, channel, batches), batches, asyncio.timeout(20):
+        batches.hold_next()
+        await publish_more(amqp_url, channel, range(1))
+        await eventually(polled(lambda: batches.sizes == [1]), timeout_s=5)
+        await publish_more(amqp_url, channel, range(1, 21))
+        await eventually(polled(lambda: batches.sizes == [1, 9]), timeout_s=5)
+        batches.release()
+        await eventually(polled(lambda: sum(batches.sizes) == 21), timeout_s=10)
     assert await queue_state(amqp_url, channel) == (0, 0)
