@@ -279,20 +279,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     plain, [None] * n, connections=c, deadline=time.monotonic() + 120
                 )
                 keys = {m: [f"{run}-{r}-{m}-{i}" for i in range(n)] for m in order}
-                for mode in order:
-                    figures[f"new_keys_{mode}"] = await phase(
-                        ports[mode],
-                        list(keys[mode]),
-                        connections=c,
-                        deadline=time.monotonic() + 120,
-                    )
-                for mode in order:
-                    figures[f"replays_{mode}"] = await phase(
-                        ports[mode],
-                        list(keys[mode]),
-                        connections=c,
-                        deadline=time.monotonic() + 120,
-                    )
+                # New keys, then the same keys again (replays), each mode in this round's order.
+                for kind in ("new_keys", "replays"):
+                    for mode in order:
+                        figures[f"{kind}_{mode}"] = await phase(
+                            ports[mode],
+                            list(keys[mode]),
+                            connections=c,
+                            deadline=time.monotonic() + 120,
+                        )
                 half = figures["endpoint"]["rate"] / 2
                 count = int(half * args.half_load_s)
                 figures["half_rate"] = half

@@ -71,6 +71,15 @@ export LC_ALL="${LC_ALL:-C.UTF-8}"
 log() { printf 'cluster: %s\n' "$*"; }
 die() { printf 'cluster: error: %s\n' "$*" >&2; exit 1; }
 now() { date +%s; }
+kill9() {  # kill9 <pid> <what>: kill -9 the process and wait (30 s at most) until it is gone
+  local pid=$1 what=$2 deadline
+  kill -9 "$pid" 2>/dev/null || true
+  deadline=$(( $(now) + 30 ))
+  while kill -0 "$pid" 2>/dev/null; do
+    [ "$(now)" -lt "$deadline" ] || die "$what (pid $pid) did not die within 30 s"
+    sleep 0.1
+  done
+}
 # without_extra_fds and port_open.
 # shellcheck source=scripts/lib/process.sh
 . "$ROOT/scripts/lib/process.sh"
@@ -375,15 +384,10 @@ rabbit_kill_leader() {  # rabbit_kill_leader <queue>: kill -9 the VM of the node
   pid="$(cat "$RABBIT_BASE/${RABBIT_NODES[$i]}/pid" 2>/dev/null || true)"
   [[ "$pid" =~ ^[0-9]+$ ]] && tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "RABBITMQ_NODENAME=$leader" \
     || die "rabbitmq: no running Erlang VM of $leader (pid file $RABBIT_BASE/${RABBIT_NODES[$i]}/pid)"
-  kill -9 "$pid" 2>/dev/null || true
-  local deadline=$(( $(now) + 30 ))
-  while kill -0 "$pid" 2>/dev/null; do
-    [ "$(now)" -lt "$deadline" ] || die "rabbitmq: $leader (pid $pid) did not die within 30 s"
-    sleep 0.1
-  done
+  kill9 "$pid" "rabbitmq: $leader"
   log "rabbitmq: $leader killed (kill -9 of its Erlang VM, pid $pid), the leader of $queue"
   # Until the queue's other members have elected a leader among themselves.
-  deadline=$(( $(now) + 60 ))
+  local deadline=$(( $(now) + 60 ))
   local now_leader=""
   until now_leader="$(rabbit_leader "$queue")" && [ "$now_leader" != "$leader" ]; do
     [ "$(now)" -lt "$deadline" ] || die "rabbitmq: $queue had no new leader within 60 s"
@@ -565,16 +569,11 @@ kafka_kill_leader() {  # kafka_kill_leader <topic> [partition]: kill -9 the brok
   [[ "$leader" =~ ^[123]$ ]] || die "kafka: no live leader of $topic${partition:+ partition $partition} (got '$leader')"
   led="$(awk -v b="$leader" '$2 == b {printf "%s%s", sep, $1; sep = ","}' <<<"$parts")"
   pid="$(kafka_pid "$leader")" || die "kafka: node $leader leads $topic but does not run as this script's broker"
-  kill -9 "$pid" 2>/dev/null || true
-  local deadline=$(( $(now) + 30 ))
-  while kill -0 "$pid" 2>/dev/null; do
-    [ "$(now)" -lt "$deadline" ] || die "kafka: node $leader (pid $pid) did not die within 30 s"
-    sleep 0.1
-  done
+  kill9 "$pid" "kafka: node $leader"
   rm -f "$(kafka_dir "$leader")/kafka.pid"
   log "kafka: node $leader killed (kill -9), the leader of $topic partition(s) $led"
   # Until the controller has fenced it (broker.session.timeout.ms) and moved its partitions.
-  deadline=$(( $(now) + 60 ))
+  local deadline=$(( $(now) + 60 ))
   until parts="$(kafka_partitions "$topic")" && [ -n "$parts" ] \
       && awk -v b="$leader" -v led=",$led," \
         'index(led, "," $1 ",") && ($2 == b || $2 !~ /^[0-9]+$/) {bad = 1} END {exit bad}' <<<"$parts"; do
