@@ -355,15 +355,16 @@ class PartitionWork:
         """The records to run now: those that their bucket's bound made due but whose due
         time is later (a deferral longer than the bucket) are copied on and done here."""
         runnable: list[ConsumerRecord] = []
-        carrying = self._carry_on is not None
+        carry_on = self._carry_on
         for record in records:
-            wait_s = still_waiting(record, now) if carrying and not self.closing else 0.0
-            if wait_s and self._carry_on is not None and await self._carry_on(record, wait_s):
-                self._done(record.offset)
-                continue
-            # A copy the broker would not take: the others of this batch run too rather than
-            # wait a send timeout each (they run at their bucket's bound, as before).
-            carrying = carrying and not wait_s
+            wait_s = still_waiting(record, now) if carry_on and not self.closing else 0.0
+            if wait_s and carry_on is not None:
+                if await carry_on(record, wait_s):
+                    self._done(record.offset)
+                    continue
+                # A copy the broker would not take: the rest of the batch runs rather than
+                # wait a send timeout each (at its bucket's bound, as before).
+                carry_on = None
             runnable.append(record)
         return runnable
 

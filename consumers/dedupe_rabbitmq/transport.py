@@ -398,7 +398,8 @@ class RabbitMQTransport(Transport):
         the moment anything arrives stay as small as the acks that freed them (three
         deliveries a batch at a no-op backlog, each with its claim, completion and ack). Once
         `batches_in_flight` batches of the channel run, the next one gathers what arrives
-        until one of them ends, it is full, or GATHER_S pass; a lone delivery never waits.
+        until one of them ends, no more can come, or GATHER_S pass (_gather); a lone delivery
+        never waits.
         """
         frames = inbox.frames
         running: dict[asyncio.Task[None], int] = {}  # a running batch -> its deliveries
