@@ -55,7 +55,14 @@ from dedupe.asgi.run import (
     run_unkeyed,
 )
 from dedupe.asgi.state import Idempotency
-from dedupe.claims.database import TRANSIENT_ERRORS, check_schema, connect_pool, redact
+from dedupe.claims.database import (
+    LOCK_TIMEOUT_S,
+    TRANSIENT_ERRORS,
+    TransactionBounds,
+    check_schema,
+    connect_pool,
+    redact,
+)
 from dedupe.claims.fingerprints import FingerprintSpec, compile_fingerprint
 from dedupe.claims.keys import KeySpec, compile_key
 from dedupe.claims.records import ClaimRequest, Fence
@@ -186,7 +193,7 @@ class IdempotencyMiddleware:
             raise ConfigurationError(
                 "IdempotencyMiddleware: one_transaction= and wait_s > 0 exclude each other: a "
                 "duplicate of a one-transaction request waits on its row lock (up to "
-                f"{one_tx.LOCK_TIMEOUT_S:g} s) holding a pooled connection, "
+                f"{LOCK_TIMEOUT_S:g} s) holding a pooled connection, "
                 "where wait_s= waiters poll without one; use one or the other"
             )
         try:
@@ -207,7 +214,7 @@ class IdempotencyMiddleware:
         self.required = required
         self.wait_s = float(wait_s)
         self.terms = Terms(float(lease_s), float(retention_s))
-        self.bounds = one_tx.Bounds.of(float(lease_s))
+        self.bounds = TransactionBounds.of(float(lease_s))
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics or Metrics()
         self.owner = f"http@{socket.gethostname()}:{os.getpid()}"

@@ -36,6 +36,7 @@ from dedupe.asgi.problems import Problem
 from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun
 from dedupe.claims.batching import Batcher
 from dedupe.claims.completion import Completion
+from dedupe.claims.database import TransactionBounds
 from dedupe.claims.records import ClaimRequest
 from dedupe.context import BROKEN_CONNECTION, Database, connection_gone
 from dedupe.effects.run_effects import RunEffects
@@ -44,12 +45,6 @@ from dedupe.sql import queries
 
 logger = logging.getLogger("dedupe.asgi")
 
-# How long a request's claim waits for another transaction that holds its key (at most a third
-# of the lease): then the key is in flight elsewhere (409).
-LOCK_TIMEOUT_S = 2.0
-# PostgreSQL ends the session of a frozen process this long after the run's bound (idle in its
-# transaction, or in one statement): its transaction rolls back and frees the key.
-SESSION_MARGIN_S = 1.0
 # The answer of a run cut off at its bound: retry soon; the retry runs under a lease.
 TOO_LONG_RETRY_AFTER_S = 1
 
@@ -64,31 +59,6 @@ def compile_one_transaction(spec: bool | Predicate) -> Predicate:
     if callable(spec):
         return spec
     raise TypeError("one_transaction= is True, False or a callable (method, path) -> bool")
-
-
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    """A one-transaction run's bounds: the endpoint's (seconds), the claim's lock wait, the
-    session's timeouts (idle in the transaction, one statement)."""
-
-    run_s: float
-    lock_s: float
-    session_s: float
-
-    @classmethod
-    def of(cls, lease_s: float) -> Bounds:
-        """The run is bounded by the lease: a frozen process holds a key no longer than a lease
-        (plus the margin) on either path."""
-        return cls(lease_s, min(LOCK_TIMEOUT_S, lease_s / 3), lease_s + SESSION_MARGIN_S)
-
-    def begin(self) -> str:
-        """BEGIN with the bounds, in one round trip (numbers only: no values)."""
-        lock_ms, session_ms = max(1, int(self.lock_s * 1000)), max(1, int(self.session_s * 1000))
-        return (
-            f"BEGIN; SET LOCAL lock_timeout = {lock_ms}; "
-            f"SET LOCAL idle_in_transaction_session_timeout = {session_ms}; "
-            f"SET LOCAL statement_timeout = {session_ms}"
-        )
 
 
 class ClaimTransaction(Database):
@@ -166,7 +136,7 @@ class Claimed:
 async def claim(
     db: ClaimTransaction,
     request: ClaimRequest,
-    bounds: Bounds,
+    bounds: TransactionBounds,
     *,
     owner: str,
     retention_s: float,
@@ -250,7 +220,7 @@ class OneTransactionRun(KeyedRun):
     row lock holds the key); the endpoint is bounded until its response is committed."""
 
     request: ClaimRequest | None = None
-    bounds: Bounds | None = None
+    bounds: TransactionBounds | None = None
     _cut: bool = False
 
     def _hold(self) -> Held:
@@ -327,7 +297,6 @@ def too_long() -> Problem:
 
 
 __all__ = [
-    "Bounds",
     "ClaimTransaction",
     "Claimed",
     "LookUps",

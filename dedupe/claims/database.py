@@ -75,6 +75,41 @@ class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
         self._dedupe_clean = True
 
 
+# One transaction where one is enough (the workers' dedupe.pipeline.one_transaction and the
+# HTTP middleware's dedupe.asgi.one_transaction): how long the claim waits for another
+# transaction that holds its key (at most a third of the lease; then the key counts as in
+# flight elsewhere), and how long after the run's bound PostgreSQL ends the session of a
+# frozen process (idle in its transaction, or in one statement), which rolls its transaction
+# back and frees the key.
+LOCK_TIMEOUT_S = 2.0
+SESSION_MARGIN_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionBounds:
+    """A one-transaction run's bounds: the run's (seconds), the claim's lock wait, the
+    session's timeouts (idle in the transaction, one statement)."""
+
+    run_s: float
+    lock_s: float
+    session_s: float
+
+    @classmethod
+    def of(cls, lease_s: float, run_s: float | None = None) -> TransactionBounds:
+        """The bounds of a run under `lease_s`, bounded by `run_s` (default: the lease)."""
+        run_s = lease_s if run_s is None else run_s
+        return cls(run_s, min(LOCK_TIMEOUT_S, lease_s / 3), run_s + SESSION_MARGIN_S)
+
+    def begin(self) -> str:
+        """BEGIN with the bounds, in one round trip (numbers only: no values)."""
+        lock_ms, session_ms = max(1, int(self.lock_s * 1000)), max(1, int(self.session_s * 1000))
+        return (
+            f"BEGIN; SET LOCAL lock_timeout = {lock_ms}; "
+            f"SET LOCAL idle_in_transaction_session_timeout = {session_ms}; "
+            f"SET LOCAL statement_timeout = {session_ms}"
+        )
+
+
 async def _token_floor(conn: asyncpg.Connection) -> None:
     """Before a new connection's first statement: the token sequence past this timeline's
     floor, so that a standby promoted after an asynchronous failover never issues again a

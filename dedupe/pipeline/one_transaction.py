@@ -47,7 +47,7 @@ import asyncpg
 
 from dedupe.app import Handler
 from dedupe.claims.completion import Completion, complete_in
-from dedupe.claims.database import TRANSIENT_ERRORS
+from dedupe.claims.database import TRANSIENT_ERRORS, TransactionBounds
 from dedupe.claims.records import Fence
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import encode_result, storable_text
@@ -65,12 +65,6 @@ from dedupe.transport import Action, Settlement
 
 logger = logging.getLogger("dedupe.pipeline")
 
-# How long the claim waits for another transaction that holds the key (at most a third of the
-# lease): then the key counts as in flight elsewhere.
-LOCK_TIMEOUT_S = 2.0
-# The session of a frozen worker is ended by PostgreSQL this long after its run's bound (idle
-# in its transaction, or in one statement), which rolls back its transaction and frees its key.
-SESSION_MARGIN_S = 1.0
 
 # Why a message left the one-transaction path (the label of the fall-back counter).
 REDELIVERY = "redelivery"  # a redelivery, a held retry, a partition's first batch
@@ -108,19 +102,14 @@ def bounds(handler: Handler) -> tuple[float, bool, float, float]:
     the claim's lock_timeout and the session timeouts (seconds)."""
     counted = handler.timeout_s is not None and handler.timeout_s <= handler.lease_s
     bound = handler.timeout_s if counted and handler.timeout_s is not None else handler.lease_s
-    lock_s = min(LOCK_TIMEOUT_S, handler.lease_s / 3)
-    return bound, counted, lock_s, bound + SESSION_MARGIN_S
+    limits = TransactionBounds.of(handler.lease_s, bound)
+    return bound, counted, limits.lock_s, limits.session_s
 
 
 def begin_statement(handler: Handler) -> str:
     """BEGIN with the transaction's bounds, in one round trip (numbers only: no values)."""
-    _, _, lock_s, session_s = bounds(handler)
-    lock_ms, session_ms = max(1, int(lock_s * 1000)), max(1, int(session_s * 1000))
-    return (
-        f"BEGIN; SET LOCAL lock_timeout = {lock_ms}; "
-        f"SET LOCAL idle_in_transaction_session_timeout = {session_ms}; "
-        f"SET LOCAL statement_timeout = {session_ms}"
-    )
+    bound, _, _, _ = bounds(handler)
+    return TransactionBounds.of(handler.lease_s, bound).begin()
 
 
 @dataclass(eq=False, slots=True)
