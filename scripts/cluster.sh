@@ -285,7 +285,7 @@ rabbit_healthy() {
   [ "$(rabbit_members)" = 3 ]
 }
 
-rabbit_start() {  # rabbit_start <i>
+rabbit_start() {  # rabbit_start <i>: configure node i and start its VM detached (rabbit_booted waits for it)
   local i=$1 n=${RABBIT_NODES[$1]}
   mkdir -p "$RABBIT_BASE/$n/mnesia" "$RABBIT_LOGS/$n"
   [ -f "$RABBIT_BASE/$n/enabled_plugins" ] || printf '[].\n' >"$RABBIT_BASE/$n/enabled_plugins"
@@ -302,12 +302,18 @@ rabbit_start() {  # rabbit_start <i>
   log "rabbitmq: starting $n@localhost on 127.0.0.1:${RABBIT_PORTS[$i]}"
   rabbit_as "$i" 30 /usr/lib/rabbitmq/bin/rabbitmq-server -detached >"$STATE/$n.start.out" 2>&1 </dev/null \
     || { cat "$STATE/$n.start.out" >&2; die "rabbitmq-server -detached failed for $n"; }
+}
+
+rabbit_booted() {  # rabbit_booted <i>: wait, bounded, until node i's VM answers and RabbitMQ has booted
+  local i=$1 n=${RABBIT_NODES[$1]}
   local deadline=$(( $(now) + START_TIMEOUT ))
   until rabbit_ping "$i"; do
     [ "$(now)" -lt "$deadline" ] || die "$n did not come up within ${START_TIMEOUT}s; see $RABBIT_LOGS/$n"
     sleep 1
   done
-  rabbitctl "$i" await_startup --timeout "$START_TIMEOUT" </dev/null >/dev/null
+  rabbit_as "$i" $(( START_TIMEOUT + 10 )) /usr/lib/rabbitmq/bin/rabbitmqctl -n "$n@localhost" -q \
+    await_startup --timeout "$START_TIMEOUT" </dev/null >/dev/null \
+    || die "$n did not finish booting within ${START_TIMEOUT}s; see $RABBIT_LOGS/$n"
 }
 
 rabbit_stop() {  # rabbit_stop <i>
@@ -333,8 +339,12 @@ rabbit_up() {
     log "rabbitmq: up (3 nodes, 127.0.0.1:5681,5682,5683)"
     return 0
   fi
-  local i
-  for i in 0 1 2; do rabbit_ping "$i" || rabbit_start "$i"; done
+  # Every stopped node is started before any is waited for: a node that was in the cluster boots
+  # only once it has seen the peers it stopped after (RabbitMQ waits for its tables, up to five
+  # minutes), so starting one and awaiting it before the next deadlocks until that wait runs out.
+  local i started=()
+  for i in 0 1 2; do rabbit_ping "$i" || { rabbit_start "$i"; started+=("$i"); }; done
+  for i in "${started[@]}"; do rabbit_booted "$i"; done
   local deadline=$(( $(now) + 30 ))
   until rabbit_healthy || [ "$(now)" -ge "$deadline" ]; do sleep 1; done
   if ! rabbit_healthy; then
