@@ -46,6 +46,13 @@ from dedupe_rabbitmq.topology import copy_properties, declare_queues, delay_name
 
 logger = logging.getLogger(__name__)
 
+# What a channel or connection lost under a statement raises (then: consume again).
+_LOST = (
+    aiormq.exceptions.ChannelClosed,
+    aiormq.exceptions.ChannelInvalidStateError,
+    aiormq.exceptions.ConnectionClosed,
+)
+
 # The frame's properties put into Message.meta when set (the rest have Message fields).
 _META_PROPERTIES = (
     ("correlation_id", "correlation_id"),
@@ -243,7 +250,15 @@ class RabbitMQTransport(Transport):
     async def serve(self, channels: Sequence[str], process: Process, stop: asyncio.Event) -> None:
         await self.connect()
         self._inboxes = {name: _Inbox() for name in channels}
-        await self._consume()
+        try:
+            await self._consume()
+        except _LOST as exc:
+            # The channel or the connection went away while the queues were being declared
+            # (a broker restarting, a channel closed): consume again as after any loss, with
+            # backoff, rather than fail the start. Refusals (a queue of another type) still
+            # raise: they are not lost channels.
+            logger.warning("lost RabbitMQ while starting to consume (%r); consuming again", exc)
+            await self._restore()
         logger.info("consuming %s (prefetch %d)", ", ".join(channels), self.prefetch)
         processing: set[asyncio.Task[None]] = set()
         dispatchers = [

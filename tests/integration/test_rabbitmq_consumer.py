@@ -19,8 +19,10 @@ import aio_pika
 import aiormq
 import asyncpg
 import pytest
+from aiormq.abc import AbstractChannel
 
 import dedupe_rabbitmq as rabbitmq
+import dedupe_rabbitmq.transport as transport_module
 from dedupe import App, Reject
 from dedupe.claims.store import ClaimStore
 from dedupe.message import Message
@@ -29,7 +31,13 @@ from dedupe_rabbitmq.topology import declare_channel, delay_name
 from dedupe_rabbitmq.transport import RabbitMQTransport
 from tests.chaos.faults import _command
 from tests.conftest import eventually, running
-from tests.integration.test_reconnect import Job, all_effects_once, effect_app, publish_stream
+from tests.integration.test_reconnect import (
+    Job,
+    all_effects_once,
+    effect_app,
+    publish_stream,
+    queue_state,
+)
 
 Settle = Callable[[Delivery], Awaitable[None]]
 
@@ -41,6 +49,10 @@ def polled(check: Callable[[], object]) -> Callable[[], Awaitable[object]]:
         return check()
 
     return predicate
+
+
+async def ack(delivery: Delivery) -> None:
+    await delivery.settle(ACK)
 
 
 @contextlib.asynccontextmanager
@@ -107,16 +119,6 @@ class HeldBatches:
 
     async def __aexit__(self, *exc: object) -> None:
         self.release()
-
-
-async def queue_state(amqp_url: str, name: str) -> tuple[int, int]:
-    """(messages ready, consumers) of a queue; raises if it does not exist."""
-    connection = await aio_pika.connect(amqp_url, timeout=10)
-    async with connection:
-        amqp = await connection.channel()
-        queue = await amqp.declare_queue(name, passive=True)
-        result = queue.declaration_result
-        return int(result.message_count or 0), int(result.consumer_count or 0)
 
 
 async def exists(amqp_url: str, name: str) -> bool:
@@ -234,9 +236,6 @@ async def test_a_deliverys_headers_and_properties_reach_the_message(
             ),
             routing_key=channel,
         )
-
-    async def ack(delivery: Delivery) -> None:
-        await delivery.settle(ACK)
 
     async with serving(RabbitMQTransport(amqp_url), channel, ack) as seen:
         await eventually(polled(lambda: seen))
@@ -507,4 +506,26 @@ async def test_a_batch_stops_gathering_once_the_prefetch_window_is_taken(
         await eventually(polled(lambda: batches.sizes == [1, 9]), timeout_s=5)
         batches.release()
         await eventually(polled(lambda: sum(batches.sizes) == 21), timeout_s=10)
+    assert await queue_state(amqp_url, channel) == (0, 0)
+
+
+async def test_a_channel_lost_while_the_consumer_starts_is_consumed_on_again(
+    amqp_url: str, channel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consuming channel closes while serve() declares its queues (a broker restarting at
+    that moment): the start goes on as after any loss, on a new channel, instead of failing."""
+    original = transport_module.declare_queues
+    declared: list[str] = []
+
+    async def closing_the_first(amqp: AbstractChannel, name: str, **options: Any) -> None:
+        declared.append(name)
+        if len(declared) == 1:
+            await amqp.close()
+        await original(amqp, name, **options)
+
+    monkeypatch.setattr(transport_module, "declare_queues", closing_the_first)
+    async with serving(RabbitMQTransport(amqp_url), channel, ack) as seen:
+        await publish_more(amqp_url, channel, range(5))
+        await eventually(polled(lambda: len(seen) == 5), timeout_s=10)
+    assert len(declared) >= 2
     assert await queue_state(amqp_url, channel) == (0, 0)

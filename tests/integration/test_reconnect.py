@@ -7,6 +7,7 @@ import json
 import subprocess
 import uuid
 
+import aio_pika
 import asyncpg
 from pydantic import BaseModel
 
@@ -36,6 +37,20 @@ async def publish_stream(amqp_url: str, channel: str, count: int) -> None:
     await rabbitmq.publish(
         amqp_url, channel, [(json.dumps({"n": i}).encode(), {}, f"k{i}") for i in range(count)]
     )
+
+
+async def queue_state(amqp_url: str, name: str) -> tuple[int, int]:
+    """(messages ready, consumers) of a queue; raises if it does not exist."""
+    connection = await aio_pika.connect(amqp_url, timeout=10)
+    async with connection:
+        amqp = await connection.channel()
+        queue = await amqp.declare_queue(name, passive=True)
+        result = queue.declaration_result
+        return int(result.message_count or 0), int(result.consumer_count or 0)
+
+
+async def consumers(amqp_url: str, name: str) -> int:
+    return (await queue_state(amqp_url, name))[1]
 
 
 async def all_effects_once(db: asyncpg.Connection, count: int) -> None:
@@ -155,7 +170,9 @@ async def test_consuming_resumes_when_the_consuming_channel_was_lost(
     ):
 
         async def consuming() -> bool:
-            return transport._channel is not None
+            # The broker sees the consumer: the queues are declared and consumed (closing the
+            # channel earlier tests the start, test_rabbitmq_consumer.py does that).
+            return transport._channel is not None and await consumers(amqp_url, channel) == 1
 
         await eventually(consuming)
         assert transport._channel is not None
