@@ -97,7 +97,7 @@ def verdict(ok: bool | None, figure: float = 0.0) -> str:
 def held(r: dict[str, Any], target: float) -> bool:
     """The paced phase ran all its requests at (nearly) its rate, every one answered 2xx."""
     answered = sum(n for status, n in r["statuses"].items() if 200 <= status < 300)
-    return r["requests"] == r["planned"] == answered and r["rate"] >= HELD * target
+    return bool(r["requests"] == r["planned"] == answered and r["rate"] >= HELD * target)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
