@@ -74,10 +74,11 @@ BENCH_N ?= 20000
 BENCH_RESULTS ?= bench/results
 .PHONY: bench bench-memory bench-core bench-one-transaction bench-report
 
-bench: install services  ## every target beside its baseline, tables and PNG plots (BENCH_N=20000; ~17 min)
+bench: install services  ## every target beside its baseline, tables and PNG plots (BENCH_N=20000; ~18 min)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	BENCH_N=$(BENCH_N) BENCH_RESULTS=$(BENCH_RESULTS) $(BIN)/python -m bench.run
 	$(BIN)/python -m bench.http_api --requests $${BENCH_HTTP_N:-3000}
+	$(BIN)/python -m bench.receiver --requests $${BENCH_RECEIVER_N:-3000} --paced-s 10 --time-limit-s 60
 
 # The last run's tables and Targets with the memory run merged in, and its plots again; no run.
 bench-report: install  ## tables, Targets and plots of bench/results/latest.json + memory.json again (no run)

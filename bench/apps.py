@@ -1,9 +1,15 @@
 """The dedupe-worker app the benchmarks run: one handler, a no-op or a one-row insert, or one
 that publishes one message to `<channel>-out`: through the outbox (`outbox`) or directly with
-a confirming publisher before it returns (`direct`)."""
+a confirming publisher before it returns (`direct`); and the webhook receiver a user writes
+without dedupe-worker, bench.receiver's baseline (`hand_written_receiver`)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
+import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from dedupe import App, Context
@@ -57,3 +63,58 @@ def make_app(channel: str, handler: str, tally: Any = None, publisher: Any = Non
                 tally.settled(message.body)
 
     return app
+
+
+# -- the webhook receiver a user writes without dedupe-worker (bench.receiver's baseline) -----
+
+
+def hand_written_receiver() -> Any:
+    """`POST /webhooks/github` as a user would write it on the receiver's stack (Starlette on
+    uvicorn): verify X-Hub-Signature-256 (HMAC-SHA256, constant-time compare), publish the event
+    to a durable RabbitMQ queue with publisher confirms on one connection and one channel opened
+    at startup, answer 202. No key is claimed, no reply stored: a replay is one more publish.
+
+    Run as `uvicorn --factory bench.apps:hand_written_receiver`; reads GITHUB_WEBHOOK_SECRET,
+    BENCH_AMQP_URL and BENCH_QUEUE from the environment.
+    """
+    import aio_pika
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    secret = os.environ["GITHUB_WEBHOOK_SECRET"].encode()
+    url = os.environ["BENCH_AMQP_URL"]
+    queue = os.environ["BENCH_QUEUE"]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(api: Starlette) -> AsyncIterator[None]:
+        connection = await aio_pika.connect(url)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True)
+            await channel.declare_queue(queue, durable=True)
+            api.state.channel = channel
+            yield
+
+    async def github(request: Request) -> JSONResponse:
+        body = await request.body()
+        signature = request.headers.get("x-hub-signature-256", "").removeprefix("sha256=")
+        expected = hmac.new(secret, body, hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(expected.encode(), signature.encode()):
+            return JSONResponse({"error": "bad signature"}, status_code=401)
+        delivery = request.headers.get("x-github-delivery")
+        if not delivery:
+            return JSONResponse({"error": "no X-GitHub-Delivery"}, status_code=400)
+        message = aio_pika.Message(
+            body,
+            message_id=delivery,
+            content_type="application/json",
+            headers={"x-github-event": request.headers.get("x-github-event", "")},
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        # Returns once RabbitMQ has confirmed it (the channel has publisher confirms on).
+        await request.app.state.channel.default_exchange.publish(message, routing_key=queue)
+        return JSONResponse({"status": "accepted", "delivery": delivery}, status_code=202)
+
+    routes = [Route("/webhooks/github", github, methods=["POST"])]
+    return Starlette(routes=routes, lifespan=lifespan)

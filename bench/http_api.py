@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.receiver import free_port, read_response  # noqa: E402
+from bench import load  # noqa: E402
 
 BODY = json.dumps({"sku": "bench", "quantity": 1}).encode()
 TOKEN = "Bearer bench-token"
@@ -140,105 +139,15 @@ async def phase(
     rate: float | None = None,
     deadline: float,
 ) -> dict[str, Any]:
-    """One request per key over keep-alive connections, as fast as they go or paced at
-    `rate`/s; latency counted from when the request was due (no coordinated omission)."""
-    todo: asyncio.Queue[tuple[str | None, float]] = asyncio.Queue()
-    begin = time.perf_counter()
-    for i, key in enumerate(keys):
-        todo.put_nowait((key, begin + i / rate if rate else 0.0))
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-
-    async def client() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            while not todo.empty() and time.monotonic() < deadline:
-                key, due = todo.get_nowait()
-                if due:
-                    await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                started = due or time.perf_counter()
-                writer.write(request_bytes(port, key))
-                await writer.drain()
-                status = await read_response(reader)
-                latencies.append(time.perf_counter() - started)
-                statuses[status] = statuses.get(status, 0) + 1
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    cpu_before = server_cpu_s(port)
-    await asyncio.gather(*(client() for _ in range(connections)))
-    elapsed = time.perf_counter() - begin
-    cpu_s = server_cpu_s(port) - cpu_before
-    ms = sorted(x * 1000 for x in latencies)
-    q = statistics.quantiles(ms, n=100, method="inclusive")
-    return {
-        "requests": len(ms),
-        "rate": len(ms) / elapsed,
-        "p50_ms": q[49],
-        "p99_ms": q[98],
-        "statuses": dict(sorted(statuses.items())),
-        # The server process's CPU (user + system) per request: steadier than the rate on a
-        # shared machine (the database's own work is not in it).
-        "cpu_ms": cpu_s * 1000 / max(1, len(ms)),
-    }
+    """One request per key (bench.load.phase), as fast as they go or paced at `rate`/s."""
+    requests = [request_bytes(port, key) for key in keys]
+    return await load.phase(port, requests, connections=connections, rate=rate, deadline=deadline)
 
 
-async def wait_ready(port: int, proc: asyncio.subprocess.Process) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.returncode is not None:
-            raise SystemExit(f"a server exited with {proc.returncode}")
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        await asyncio.sleep(0.2)
-    raise SystemExit("a server did not start")
-
-
-# The server processes by port, for their CPU time.
-PROCESSES: dict[int, asyncio.subprocess.Process] = {}
-
-
-def server_cpu_s(port: int) -> float:
-    """User + system CPU seconds of the server on `port` so far (Linux /proc)."""
-    proc = PROCESSES.get(port)
-    if proc is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@contextlib.asynccontextmanager
-async def server(factory: str, db_url: str) -> AsyncIterator[int]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "DEDUPE_DATABASE_URL": db_url,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "consumers")]),
-    }
-    proc = PROCESSES[port] = await asyncio.create_subprocess_exec(
-        *[sys.executable, "-m", "uvicorn", "--factory", f"bench.http_api:{factory}"],
-        *["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        cwd=ROOT,
-        env=env,
-    )
-    try:
-        await wait_ready(port, proc)
-        yield port
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+def server(factory: str, db_url: str) -> contextlib.AbstractAsyncContextManager[int]:
+    """`uvicorn --factory bench.http_api:<factory>` on a free port, on the database `db_url`."""
+    command = load.uvicorn_command(f"bench.http_api:{factory}")
+    return load.serving(command, {"DEDUPE_DATABASE_URL": db_url})
 
 
 def line(name: str, result: dict[str, Any]) -> str:

@@ -1,13 +1,23 @@
-"""Benchmark of the webhook receiver: requests/s and latency of a real `dedupe-worker receive`.
+"""Benchmark of the webhook receiver against a hand-written one, in the same run.
 
-    .venv/bin/python bench/receiver.py [--requests 5000] [--connections 32] [--time-limit-s 60]
+    .venv/bin/python -m bench.receiver [--requests 3000] [--connections 32] [--paced-s 10]
+                                       [--time-limit-s 60] [--commit-n 1000] [--json PATH]
 
-Starts `dedupe-worker receive bench.receiver:app` on 127.0.0.1 with a fresh database and
-channels of its own, drives it with a small keep-alive HTTP/1.1 load generator (asyncio
-streams, so the client costs little of the CPU it shares with the server), and prints
-requests/s with p50/p90/p99 latency for new keys (claim + publish with confirms + store the
-reply) and for replays (claim finds the reply, replays it). The database and the queues are
-removed at the end. Not part of the test suite.
+Two servers on 127.0.0.1, both Starlette on uvicorn in one process with the same event loop and
+HTTP implementation, serve POST /webhooks/github with the same GitHub X-Hub-Signature-256 check:
+`dedupe-worker receive bench.receiver:app` (verify, claim the delivery's key in a fresh
+database, publish with confirms, store the reply; a replay gets the stored reply) and
+bench.apps.hand_written_receiver (verify, publish with confirms to a durable queue, 202; no
+database, no dedupe). One keep-alive HTTP/1.1 load generator (bench.load) drives both at the
+same connection count: the hand-written one with a new delivery id per request, the receiver
+with new keys and then the same keys again (replays; for the hand-written one a replay is one
+more request, so replays are read against its rate), then each open-loop at half of its own
+maximum (requests due at a fixed rate, latency counted from when each was due). bench.commit
+measures the machine's durable commit first. Printed: requests/s, p50/p90/p99 and the server's
+CPU per request of every phase, and issue 28's ratios with verdicts: new keys >= 0.8x the
+hand-written rate, replays >= 2x, p99 at half load minus the hand-written one's at its half
+load <= 2 x the commit p99 + 5 ms. The database and the queues are removed at the end. Every
+phase is bounded by its count and --time-limit-s. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -19,153 +29,98 @@ import hashlib
 import hmac
 import json
 import os
-import signal
-import socket
-import statistics
 import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import load  # noqa: E402
 from handlers.webhooks import make_app  # noqa: E402
 
 GITHUB_SECRET = "bench-only-secret"  # a fixed, fake secret: this process signs, it receives
+BODY = json.dumps({"ref": "refs/heads/main", "commits": [{"id": "c0ffee"}] * 5}).encode()
+SIGNATURE = hmac.new(GITHUB_SECRET.encode(), BODY, hashlib.sha256).hexdigest()
 
 # The app the receiver process loads (`bench.receiver:app`); its channels carry the prefix
 # the benchmark passes down, so that they are its own and can be deleted afterwards.
 app = make_app(prefix=os.environ.get("BENCH_CHANNEL_PREFIX", "bench-"))
 
+# Issue 28's targets for the receiver against the hand-written one.
+NEW_KEYS_TARGET = 0.8
+REPLAYS_TARGET = 2.0
+HELD = 0.95  # a paced phase that reached less of its rate says nothing about latency at it
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
-
-def request_bytes(port: int, body: bytes, signature: str, delivery: str) -> bytes:
+def github_request(port: int, delivery: str) -> bytes:
     head = (
         f"POST /webhooks/github HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n"
         f"X-GitHub-Event: push\r\nX-GitHub-Delivery: {delivery}\r\n"
-        f"X-Hub-Signature-256: sha256={signature}\r\n\r\n"
+        f"X-Hub-Signature-256: sha256={SIGNATURE}\r\n\r\n"
     )
-    return head.encode() + body
+    return head.encode() + BODY
 
 
-async def read_response(reader: asyncio.StreamReader) -> int:
-    """Read one HTTP/1.1 response (Content-Length framed); return its status."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    length = 0
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name.lower() == "content-length":
-            length = int(value)
-    if length:
-        await reader.readexactly(length)
-    return status
-
-
-async def run_phase(
-    port: int, keys: list[str], *, connections: int, deadline: float
-) -> tuple[list[float], dict[int, int], float]:
-    """Send one request per key over `connections` keep-alive connections."""
-    body = json.dumps({"ref": "refs/heads/main", "commits": [{"id": "c0ffee"}] * 5}).encode()
-    signature = hmac.new(GITHUB_SECRET.encode(), body, hashlib.sha256).hexdigest()
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for key in keys:
-        queue.put_nowait(key)
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-
-    async def client() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            while not queue.empty() and time.monotonic() < deadline:
-                key = queue.get_nowait()
-                started = time.perf_counter()
-                writer.write(request_bytes(port, body, signature, key))
-                await writer.drain()
-                status = await read_response(reader)
-                latencies.append(time.perf_counter() - started)
-                statuses[status] = statuses.get(status, 0) + 1
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(connections)))
-    return latencies, statuses, time.perf_counter() - started
-
-
-def report(name: str, latencies: list[float], statuses: dict[int, int], elapsed: float) -> None:
-    ms = sorted(x * 1000 for x in latencies)
-    q = statistics.quantiles(ms, n=100, method="inclusive")
-    print(
-        f"{name:<9} {len(ms):>6} req in {elapsed:6.2f}s  {len(ms) / elapsed:8.0f} req/s  "
-        f"p50 {q[49]:6.2f} ms  p90 {q[89]:6.2f} ms  p99 {q[98]:6.2f} ms  "
-        f"max {ms[-1]:7.2f} ms  statuses {dict(sorted(statuses.items()))}"
+async def drive(
+    port: int,
+    deliveries: list[str],
+    args: argparse.Namespace,
+    *,
+    rate: float | None = None,
+) -> dict[str, Any]:
+    requests = [github_request(port, delivery) for delivery in deliveries]
+    deadline = time.monotonic() + args.time_limit_s
+    return await load.phase(
+        port, requests, connections=args.connections, deadline=deadline, rate=rate
     )
 
 
-async def wait_ready(port: int, proc: asyncio.subprocess.Process, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.returncode is not None:
-            raise SystemExit(f"the receiver exited with {proc.returncode}")
-        with contextlib.suppress(OSError, asyncio.IncompleteReadError, ValueError):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(f"GET /readyz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
-            status = await read_response(reader)
-            writer.close()
-            if status == 200:
-                return
-        await asyncio.sleep(0.2)
-    raise SystemExit("the receiver did not become ready")
-
-
-async def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=5000, help="per phase (default 5000)")
-    parser.add_argument("--connections", type=int, default=32, help="concurrent (default 32)")
-    parser.add_argument("--time-limit-s", type=float, default=60, help="per phase (default 60)")
-    parser.add_argument(
-        "--database",
-        default=os.environ.get(
-            "DEDUPE_DATABASE_URL", "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
-        ),
-        help="an existing database; the benchmark creates and drops its own beside it",
+def line(name: str, r: dict[str, Any]) -> str:
+    done = f"{r['requests']}" + (f" of {r['planned']}" if r["requests"] < r["planned"] else "")
+    return (
+        f"| {name} | {done} | {r['rate']:,.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | "
+        f"{r['p99_ms']:.2f} | {r['cpu_ms']:.2f} | {r['statuses']} |"
     )
-    parser.add_argument(
-        "--broker",
-        default=os.environ.get("DEDUPE_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/"),
-    )
-    args = parser.parse_args()
 
+
+def verdict(ok: bool | None, figure: float = 0.0) -> str:
+    if ok is None or figure != figure:  # NaN
+        return "not measured"
+    return "met" if ok else "NOT met"
+
+
+def held(r: dict[str, Any], target: float) -> bool:
+    """The paced phase ran all its requests at (nearly) its rate, every one answered 2xx."""
+    answered = sum(n for status, n in r["statuses"].items() if 200 <= status < 300)
+    return bool(r["requests"] == r["planned"] == answered and r["rate"] >= HELD * target)
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
     import asyncpg
 
+    from bench.commit import commit_latency
     from dedupe.claims.database import migrate
 
+    figures: dict[str, Any] = {}
+    if args.commit_n > 0:
+        figures["commit"] = await commit_latency(args.commit_n)
     run = uuid.uuid4().hex[:8]
     db_name = f"dedupe_bench_{run}"
     base, _, _ = args.database.rpartition("/")
     db_url = f"{base}/{db_name}"
     prefix = f"bench-{run}-"
+    plain_queue = f"{prefix}hand-written-github"
     admin = await asyncpg.connect(args.database)
     await admin.execute(f"CREATE DATABASE {db_name}")
     await admin.close()
-    port = free_port()
-    proc: asyncio.subprocess.Process | None = None
     try:
         await migrate(db_url)
-        env = {
-            **os.environ,
+        receiver_env = {
             "DEDUPE_DATABASE_URL": db_url,
             "DEDUPE_BROKER_URL": args.broker,
             "DEDUPE_LOG_LEVEL": "WARNING",
@@ -174,42 +129,107 @@ async def main() -> int:
             "STRIPE_WEBHOOK_SECRET": "whsec_bench",
             "BILLING_WEBHOOK_SECRET": "whsec_YmVuY2g=",
             "ORDERS_API_KEYS": "bench-key=bench",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "consumers")]),
         }
-        command = [sys.executable, "-m", "dedupe.cli", "receive", "bench.receiver:app"]
-        proc = await asyncio.create_subprocess_exec(
-            *command, "--port", str(port), cwd=ROOT, env=env
-        )
-        await wait_ready(port, proc)
-        print(
-            f"dedupe-worker receive on 127.0.0.1:{port}, {args.connections} connections, "
-            f"{args.requests} requests per phase, POST /webhooks/github (HMAC verified)"
-        )
-        warm = [f"warm-{i}" for i in range(min(500, args.requests))]
-        await run_phase(port, warm, connections=args.connections, deadline=time.monotonic() + 30)
-        keys = [f"{run}-{i}" for i in range(args.requests)]
-        deadline = time.monotonic() + args.time_limit_s
-        report(
-            "new keys",
-            *await run_phase(port, keys, connections=args.connections, deadline=deadline),
-        )
-        deadline = time.monotonic() + args.time_limit_s
-        report(
-            "replays", *await run_phase(port, keys, connections=args.connections, deadline=deadline)
-        )
+        receive = [sys.executable, "-m", "dedupe.cli", "receive", "bench.receiver:app"]
+        receive += ["--event-loop", load.event_loop()]
+        plain_env = {
+            "GITHUB_WEBHOOK_SECRET": GITHUB_SECRET,
+            "BENCH_AMQP_URL": args.broker,
+            "BENCH_QUEUE": plain_queue,
+        }
+        async with (
+            load.serving(receive, receiver_env, ready_path="/readyz") as dedupe,
+            load.serving(
+                load.uvicorn_command("bench.apps:hand_written_receiver"), plain_env
+            ) as plain,
+        ):
+            await measure(figures, dedupe, plain, run, args)
     finally:
-        if proc is not None and proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        await cleanup(args.database, db_name, args.broker, prefix)
-    return 0
+        await cleanup(args.database, db_name, args.broker, prefix, plain_queue)
+    return figures
 
 
-async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str) -> None:
+async def measure(
+    figures: dict[str, Any], dedupe: int, plain: int, run: str, args: argparse.Namespace
+) -> None:
+    n, c = args.requests, args.connections
+    print(
+        f"POST /webhooks/github (HMAC verified) on 127.0.0.1, {c} keep-alive connections, "
+        f"{n} requests per phase; both servers uvicorn, one process, loop {load.event_loop()}, "
+        f"http {load.http_implementation()}: dedupe-worker receive on :{dedupe}, the "
+        f"hand-written receiver on :{plain}",
+        flush=True,
+    )
+    warm = min(500, n)
+    await drive(plain, [f"{run}-warm-plain-{i}" for i in range(warm)], args)
+    await drive(dedupe, [f"{run}-warm-{i}" for i in range(warm)], args)
+    figures["hand_written"] = await drive(plain, [f"{run}-plain-{i}" for i in range(n)], args)
+    keys = [f"{run}-{i}" for i in range(n)]
+    figures["new_keys"] = await drive(dedupe, keys, args)
+    figures["replays"] = await drive(dedupe, keys, args)
+    # Open loop at half of each one's own maximum, for --paced-s (at most --time-limit-s).
+    for name, port, of in (
+        ("hand_written", plain, "hand_written"),
+        ("new_keys", dedupe, "new_keys"),
+    ):
+        half = max(1.0, figures[of]["rate"] / 2)
+        count = max(1, int(half * min(args.paced_s, args.time_limit_s)))
+        deliveries = [f"{run}-half-{name}-{i}" for i in range(count)]
+        figures[f"{name}_half"] = {
+            "target_rate": half,
+            **await drive(port, deliveries, args, rate=half),
+        }
+    report(figures, n, c)
+
+
+def report(figures: dict[str, Any], n: int, c: int) -> None:
+    plain, new, replays = figures["hand_written"], figures["new_keys"], figures["replays"]
+    plain_half, new_half = figures["hand_written_half"], figures["new_keys_half"]
+    print(
+        "\n| phase | requests | req/s | p50 ms | p90 ms | p99 ms | server CPU ms/req | statuses |"
+        "\n|---|---|---|---|---|---|---|---|"
+    )
+    print(line("hand-written (verify, publish with confirm)", plain))
+    print(line("receiver, new keys (verify, claim, publish, store)", new))
+    print(line("receiver, replays (verify, stored reply)", replays))
+    print(line(f"hand-written, paced at {plain_half['target_rate']:,.0f}/s", plain_half))
+    print(line(f"receiver new keys, paced at {new_half['target_rate']:,.0f}/s", new_half))
+    base = plain["rate"] or float("nan")  # nothing answered in time: no ratio, no verdict
+    new_ratio = new["rate"] / base
+    replay_ratio = replays["rate"] / base
+    both_held = held(plain_half, plain_half["target_rate"]) and held(
+        new_half, new_half["target_rate"]
+    )
+    p99_added = new_half["p99_ms"] - plain_half["p99_ms"]
+    commit_p99 = figures.get("commit", {}).get("p99_ms")
+    bound = None if commit_p99 is None else 2 * commit_p99 + 5
+    p99_ok = None if bound is None or not both_held else p99_added <= bound
+    figures["ratios"] = {
+        "new_keys_vs_hand_written": new_ratio,
+        "replays_vs_hand_written": replay_ratio,
+        "p99_added_at_half_load_ms": p99_added,
+        "p99_bound_ms": bound,
+        "paced_rates_held": both_held,
+    }
+    print(f"\nissue 28, the receiver against the hand-written one ({c} connections, n={n}):")
+    print(
+        f"  new keys / hand-written: {new_ratio:.2f}x (target >= {NEW_KEYS_TARGET}x): "
+        f"{verdict(new_ratio >= NEW_KEYS_TARGET, new_ratio)}"
+    )
+    print(
+        f"  replays / hand-written:  {replay_ratio:.2f}x (target >= {REPLAYS_TARGET}x): "
+        f"{verdict(replay_ratio >= REPLAYS_TARGET, replay_ratio)}"
+    )
+    bound_text = "no commit p99 (--commit-n 0)" if bound is None else f"<= {bound:.2f} ms"
+    held_text = "" if both_held else " (a paced phase fell short of its rate or got non-2xx)"
+    print(
+        f"  p99 at half load, receiver minus hand-written: {new_half['p99_ms']:.2f} - "
+        f"{plain_half['p99_ms']:.2f} = {p99_added:+.2f} ms (target {bound_text}, 2 x commit "
+        f"p99 {commit_p99} ms + 5 ms): {verdict(p99_ok, p99_added)}{held_text}"
+    )
+
+
+async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str, queue: str) -> None:
     import asyncpg
 
     from dedupe.testing.databases import drop_forced
@@ -221,8 +241,70 @@ async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str) -> Non
     finally:
         await admin.close()
     with contextlib.suppress(Exception):
-        await delete_channels(broker, make_app(prefix=prefix).channels)
+        await delete_channels(broker, [*make_app(prefix=prefix).channels, queue])
+
+
+EPILOG = """\
+phases, in this order, each bounded by its count and --time-limit-s:
+  commit        bench.commit: the machine's durable commit p50/p99 (--commit-n)
+  hand-written  bench.apps.hand_written_receiver: verify, publish with confirm, 202
+  new keys      dedupe-worker receive: verify, claim, publish with confirm, store the reply
+  replays       the same deliveries again: verify, the stored reply
+  paced         each server open-loop at half of its own maximum for --paced-s
+verdicts (issue 28): new keys >= 0.8x the hand-written rate; replays >= 2x it; p99 at half
+load minus the hand-written one's <= 2 x commit p99 + 5 ms.
+Only 127.0.0.1 services; the database and the queues it creates are removed at the end."""
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.receiver",
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
+    parser.add_argument(
+        "--requests", type=int, default=3000, help="requests per phase at full speed (3000)"
+    )
+    parser.add_argument(
+        "--connections", type=int, default=32, help="keep-alive connections, both servers (32)"
+    )
+    parser.add_argument(
+        "--paced-s",
+        type=float,
+        default=10,
+        help="length of each paced phase at half of a server's maximum (10)",
+    )
+    parser.add_argument(
+        "--time-limit-s", type=float, default=60, help="bound on every phase, in seconds (60)"
+    )
+    parser.add_argument(
+        "--commit-n",
+        type=int,
+        default=1000,
+        help="timed commits of bench.commit for the p99 bound (1000; 0 skips it)",
+    )
+    parser.add_argument(
+        "--database",
+        default=os.environ.get(
+            "DEDUPE_DATABASE_URL", "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
+        ),
+        help="an existing database; the benchmark creates and drops its own beside it",
+    )
+    parser.add_argument(
+        "--broker",
+        default=os.environ.get("DEDUPE_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+        help="RabbitMQ (both servers publish there)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    args.requests = max(1, min(args.requests, 1_000_000))
+    args.connections = max(1, min(args.connections, 1000))
+    return args
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    parsed = parse()
+    result = asyncio.run(main(parsed))
+    if parsed.json:
+        parsed.json.write_text(json.dumps(result, indent=2) + "\n")
