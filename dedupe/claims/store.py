@@ -346,7 +346,9 @@ class ClaimStore:
         """Release our lease at once (graceful shutdown). `attempt`: the count the interrupted
         run made, taken back (None: it was not counted; sent again after a lost reply, nothing
         more is taken back). `handed_back` marks the key as given back (its next run need not
-        wait alone as a dead worker's key does)."""
+        wait alone as a dead worker's key does); False (a dead worker's key this worker took
+        over) marks it 'handed back after a take-over', which keeps the crash in its history.
+        A heartbeat extends neither."""
         rows = await self._fetch(
             "give_back",
             fence.scope,
