@@ -42,6 +42,8 @@ demo: install services  ## the main job end to end: duplicates, a crash, a summa
 # (tests/conftest.py's SERIAL) alone. The second runs even when tests of the first failed
 # (status 1), not after an interrupt or a usage error (2-4); either failing fails the target. A
 # phase that PYTEST_ARGS leaves empty (pytest's status 5) is no failure unless both are.
+# PYTEST_ARGS go to both phases; phase 2 appends `-n 0` after them, so it stays serial whatever
+# they say (PYTEST_ARGS='-n 4' parallelises phase 1 only; TEST_WORKERS is the usual knob).
 TEST_WORKERS ?= 2
 
 test: install services browser  ## the whole suite against the real services (parallel, then serial)
@@ -52,7 +54,7 @@ test: install services browser  ## the whole suite against the real services (pa
 	one=$$?; \
 	if [ $$one -ge 2 ] && [ $$one -le 4 ]; then exit $$one; fi; \
 	echo "== phase 2: the disruptive and timing-sensitive tests, one at a time"; \
-	$(BIN)/python -m pytest --phase serial $(PYTEST_ARGS); \
+	$(BIN)/python -m pytest --phase serial $(PYTEST_ARGS) -n 0; \
 	two=$$?; \
 	echo "== phase 1 exited $$one, phase 2 exited $$two (5: nothing selected)"; \
 	if [ $$one -eq 5 ] && [ $$two -eq 5 ]; then exit 5; fi; \

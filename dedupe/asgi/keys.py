@@ -35,6 +35,16 @@ class KeyRefused(ValueError):
     """The request's idempotency key cannot be a key (the message says why): a 400."""
 
 
+class SourceFailed(Exception):
+    """A `key=` or `scope=` function of the middleware raised on a request (other than
+    InvalidPayload or KeyMissing, which mean "not in this request"): a 400, never a 5xx; the
+    function's exception is the __cause__."""
+
+    def __init__(self, option: str, exc: BaseException) -> None:
+        super().__init__(f"the {option} function raised {exc.__class__.__name__}")
+        self.option = option
+
+
 @dataclass(frozen=True, slots=True)
 class RequestLine:
     """What the fingerprint covers besides the body."""
@@ -221,7 +231,8 @@ class KeySource:
         body: bytes | None,
     ) -> str | None:
         """The key, trying the terms in order (those needing the body only when it is given);
-        None when no term yields one; KeyRefused when the one found is no key."""
+        None when no term yields one; KeyRefused when the one found is no key; SourceFailed
+        when a callable raised."""
         parts: list[FormPart] | None = None
         message: Message | None = None
         for kind, term in self.terms:
@@ -252,6 +263,8 @@ class KeySource:
                 found = func(message)
             except (InvalidPayload, KeyMissing):
                 continue  # a body path on a body that is not JSON: not here
+            except Exception as exc:
+                raise SourceFailed("key=", exc) from exc
             if found is not None and found != "":
                 text = found if isinstance(found, str) else str(found)
                 return checked_key(text.encode("utf-8", "surrogatepass"), "idempotency key")
@@ -353,12 +366,15 @@ def request_message(
 
 
 def principal_of(scope_func: KeyFunc, message: Message) -> str | None:
-    """Whose request this is, by the middleware's scope=; None when it names nobody."""
+    """Whose request this is, by the middleware's scope=; None when it names nobody;
+    SourceFailed when the function raised anything else."""
     try:
         value = scope_func(message)
     except (InvalidPayload, KeyMissing):
         # A body path on a body that is not JSON: the request names no principal.
         return None
+    except Exception as exc:
+        raise SourceFailed("scope=", exc) from exc
     if value is None or value == "":
         return None
     return value if isinstance(value, str) else str(value)
@@ -374,6 +390,7 @@ __all__ = [
     "KeyRefused",
     "KeySource",
     "RequestLine",
+    "SourceFailed",
     "checked_key",
     "compile_key_source",
     "content_type",

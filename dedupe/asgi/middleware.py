@@ -32,6 +32,8 @@ from dedupe.asgi.keys import (
     DEFAULT_KEY_SPEC,
     MIN_SECRET_BYTES,
     KeyRefused,
+    RequestLine,
+    SourceFailed,
     compile_key_source,
 )
 from dedupe.asgi.problems import ASGIMessage, Problem, Send, in_flight
@@ -42,6 +44,7 @@ from dedupe.asgi.replies import (
     bad_key,
     compile_store_status,
     db_down,
+    invalid_request,
     key_required,
     schema_refused,
 )
@@ -353,6 +356,8 @@ class IdempotencyMiddleware:
                 key = self.key_source.find(line, headers, body)
         except KeyRefused as exc:
             return await answer(send, bad_key(str(exc)), "refused")
+        except SourceFailed as exc:
+            return await _source_failed(send, line, exc)
         if key is None:
             if self.required:
                 return await answer(send, key_required(), "refused")
@@ -371,17 +376,20 @@ class IdempotencyMiddleware:
             opened = await self._store_or_problem()
             if isinstance(opened, Problem):
                 return await answer(send, opened, "unavailable")
-        keyed = await read_keyed(
-            scope,
-            receive,
-            key=key,
-            body=body,
-            app_name=self.dedupe_app.name,
-            scope_func=self.scope_func,
-            secret=self.secret,
-            scheme=self.scheme,
-            max_body_bytes=self.max_body_bytes,
-        )
+        try:
+            keyed = await read_keyed(
+                scope,
+                receive,
+                key=key,
+                body=body,
+                app_name=self.dedupe_app.name,
+                scope_func=self.scope_func,
+                secret=self.secret,
+                scheme=self.scheme,
+                max_body_bytes=self.max_body_bytes,
+            )
+        except SourceFailed as exc:
+            return await _source_failed(send, line, exc)
         if keyed is None:
             return "refused", None  # the client went away before its body arrived
         if isinstance(keyed, Problem):
@@ -639,6 +647,23 @@ def _principal_secret(given: str | bytes | None, *, scoped: bool) -> bytes | Non
             "print(secrets.token_urlsafe(32))'`)"
         )
     return secret
+
+
+async def _source_failed(
+    send: Send, line: RequestLine, exc: SourceFailed
+) -> tuple[str, str | None]:
+    """A key= or scope= function raised: the request cannot be keyed. A 400 (nothing a client
+    sends yields a 5xx); the endpoint does not run; the exception is logged for the API's
+    owner."""
+    logger.warning(
+        "%s on %s %s: answered 400 invalid-request, the endpoint did not run",
+        exc,
+        line.method,
+        line.path.decode("latin-1"),
+        exc_info=exc.__cause__,
+        extra={"outcome": "refused"},
+    )
+    return await answer(send, invalid_request(f"{exc} on this request"), "refused")
 
 
 class _Tally:

@@ -16,7 +16,9 @@ decides as it always does. A concurrent duplicate meets the uncommitted row and 
 gets the 409 of a key in flight. Every answer that gives the key back (a 5xx, an exception,
 a status not stored, the bound) rolls the whole transaction back, claim included, then commits
 the attempt on its own (`first_attempt_failed`: a row handed back, its lease over), so that the
-client's retry runs as attempt 2 on the two-commit path, under a lease, without the bound.
+client's retry runs as attempt 2 on the two-commit path, under a lease, without the bound. That
+commit is bounded like the claim (`lock_timeout`): a duplicate that claimed the key meanwhile and
+still runs holds it, and its outcome decides; the attempt is then not counted.
 The argument why the guarantees hold is in docs/http-api.md, "One transaction per request".
 """
 
@@ -271,8 +273,21 @@ class OneTransactionRun(KeyedRun):
         if self.request is None:
             return
         try:
-            async with asyncio.timeout(STORE_TIMEOUT_S):
-                await self.store.first_attempt_failed(self.request, retention_s=self.retention_s)
+            async with asyncio.timeout(STORE_TIMEOUT_S):  # the lock wait is bounded below it
+                await self.store.first_attempt_failed(
+                    self.request, retention_s=self.retention_s, bounds=self.bounds
+                )
+        except asyncpg.LockNotAvailableError:
+            # As for the claim: the key is held by a run still open (a duplicate that claimed
+            # it once this transaction rolled back). Its outcome decides, as when its row is
+            # committed already; this attempt is not counted and its answer goes out now.
+            logger.info(
+                "key %s: the failed attempt is not counted: the key is held by another request "
+                "still running (waited %gs)",
+                self.fence.key,
+                self.bounds.lock_s if self.bounds is not None else 0.0,
+                extra={"scope": self.fence.scope, "key": self.fence.key, "outcome": "not_counted"},
+            )
         except Exception as exc:
             # Nothing of the attempt is kept: the retry runs again as attempt 1.
             logger.warning(

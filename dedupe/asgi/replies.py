@@ -177,7 +177,9 @@ def no_principal() -> Problem:
 
 
 def invalid_request(detail: str) -> Problem:
-    return Problem(400, "invalid-request", "Request cannot be fingerprinted", detail)
+    """400: a function of the middleware's options (fingerprint=, key=, scope=) raised on the
+    request; `detail` names the option and the exception's class, never its message."""
+    return Problem(400, "invalid-request", "Request cannot be read", detail)
 
 
 def key_conflict() -> Problem:

@@ -102,9 +102,13 @@ class TransactionBounds:
 
     def begin(self) -> str:
         """BEGIN with the bounds, in one round trip (numbers only: no values)."""
+        return f"BEGIN; {self.settings()}"
+
+    def settings(self) -> str:
+        """The bounds of a transaction already begun (SET LOCAL: they end with it)."""
         lock_ms, session_ms = max(1, int(self.lock_s * 1000)), max(1, int(self.session_s * 1000))
         return (
-            f"BEGIN; SET LOCAL lock_timeout = {lock_ms}; "
+            f"SET LOCAL lock_timeout = {lock_ms}; "
             f"SET LOCAL idle_in_transaction_session_timeout = {session_ms}; "
             f"SET LOCAL statement_timeout = {session_ms}"
         )

@@ -130,7 +130,8 @@ class Leases(HeldLeases[Lease]):
     async def give_back(self, lease: Lease) -> None:
         """Hand the key back at a graceful stop. The interrupted attempt is uncounted only if
         it was counted; a dead worker's key whose run never finished keeps its crash history
-        (not marked handed back), so its next run still happens alone."""
+        (marked 'handed back after a take-over', not 'handed back'), so its next run still
+        happens alone. Either mark keeps a heartbeat already sent from extending the lease."""
         fence = lease.fence
         try:
             await self.store.give_back(

@@ -23,6 +23,7 @@ from dedupe.claims.database import (
     GC_LOCK_ID,
     TRANSIENT_ERRORS,
     VALUE_ERRORS,
+    TransactionBounds,
     connect_pool,
     said,
 )
@@ -62,7 +63,12 @@ class ClaimStore:
 
     # -- helpers -----------------------------------------------------------------------
 
-    async def _fetch(self, name: str, *args: Any, conn: Any = None) -> list[asyncpg.Record]:
+    async def _fetch(
+        self, name: str, *args: Any, conn: Any = None, bounded: str | None = None
+    ) -> list[asyncpg.Record]:
+        """Run statement `name`; `bounded`: in a transaction of its own that these SET LOCAL
+        settings bound (lock_timeout...), whose asyncpg.LockNotAvailableError is raised as
+        it comes."""
         try:
             if conn is not None:
                 return list(await conn.fetch(self._q[name], *args))
@@ -78,10 +84,17 @@ class ClaimStore:
             ):
                 with attempt:
                     async with self.pool.acquire() as pooled:
-                        rows = list(await pooled.fetch(self._q[name], *args))
-                        pooled.mark_clean()
+                        if bounded is None:
+                            rows = list(await pooled.fetch(self._q[name], *args))
+                        else:
+                            async with pooled.transaction():
+                                await pooled.execute(bounded)
+                                rows = list(await pooled.fetch(self._q[name], *args))
+                        pooled.mark_clean()  # SET LOCAL ended with the transaction
                         return rows
             raise AssertionError("unreachable")  # pragma: no cover
+        except asyncpg.LockNotAvailableError:
+            raise
         except TRANSIENT_ERRORS as exc:
             raise StoreError(f"{name} failed: {exc.__class__.__name__}: {exc}") from exc
         except VALUE_ERRORS as exc:
@@ -164,13 +177,24 @@ class ClaimStore:
         )
         return None if token is None else int(token)
 
-    async def first_attempt_failed(self, request: ClaimRequest, *, retention_s: float) -> bool:
+    async def first_attempt_failed(
+        self,
+        request: ClaimRequest,
+        *,
+        retention_s: float,
+        bounds: TransactionBounds | None = None,
+    ) -> bool:
         """One-transaction mode: commit the count of a first attempt whose transaction rolled
         back (a claim with attempts = 1, its lease over, handed back); False when the key has
-        a row already (claimed meanwhile by another delivery, whose outcome decides)."""
-        rows = await self._fetch(
-            "first_attempt_failed", *request.row(self.owner), float(retention_s)
-        )
+        a row already (claimed meanwhile by another delivery, whose outcome decides).
+
+        A row another transaction has not committed yet (a competing request's claim, its run
+        still open) is waited for; with `bounds`, in a transaction begun as the one-transaction
+        claim's is, at most `bounds.lock_s`: past it asyncpg.LockNotAvailableError is raised
+        (the key is held by a run still open, as for that claim)."""
+        args = (*request.row(self.owner), float(retention_s))
+        bounded = None if bounds is None else bounds.settings()
+        rows = await self._fetch("first_attempt_failed", *args, bounded=bounded)
         return bool(rows)
 
     async def warm_up(self, connections: int, *, timeout_s: float = 5.0) -> None:
@@ -322,7 +346,9 @@ class ClaimStore:
         """Release our lease at once (graceful shutdown). `attempt`: the count the interrupted
         run made, taken back (None: it was not counted; sent again after a lost reply, nothing
         more is taken back). `handed_back` marks the key as given back (its next run need not
-        wait alone as a dead worker's key does)."""
+        wait alone as a dead worker's key does); False (a dead worker's key this worker took
+        over) marks it 'handed back after a take-over', which keeps the crash in its history.
+        A heartbeat extends neither."""
         rows = await self._fetch(
             "give_back",
             fence.scope,

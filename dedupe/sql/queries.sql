@@ -150,13 +150,15 @@ RETURNING c.token;
 
 -- name: heartbeat
 -- Extend the leases we still hold; the rows that come back are the ones still ours. A key we
--- handed back (give_back) is not ours any more although its token is: a beat sent before the
--- give-back and run after it must not hold the key again for a whole lease.
+-- handed back (give_back: 'handed back', or 'handed back after a take-over' for a dead
+-- worker's key) is not ours any more although its token is: a beat sent before the give-back
+-- and run after it must not hold the key again for a whole lease.
 UPDATE dedupe_claims AS c
    SET lease_until = now() + make_interval(secs => i.lease_s), updated_at = now()
   FROM unnest($1::text[], $2::text[], $3::bigint[], $4::float8[]) AS i(scope, key, token, lease_s)
  WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token AND c.status = 'in_progress'
    AND c.error IS DISTINCT FROM 'handed back'
+   AND c.error IS DISTINCT FROM 'handed back after a take-over'
 RETURNING c.scope, c.key;
 
 -- name: complete
@@ -209,11 +211,14 @@ UPDATE dedupe_claims AS c
 -- (only if it was counted), $6 being the count that attempt made: sent again after a lost
 -- reply, the statement finds it taken back already. $5: mark it with the error 'handed
 -- back' (claim_batch reads it), so its next run need not wait alone as a dead worker's key
--- does; not for a dead worker's key whose run never finished. The next claim clears it.
+-- does; a dead worker's key whose run never finished is marked 'handed back after a
+-- take-over' instead, which keeps its crash history (its next claim is a take-over again, and
+-- the history says so). The heartbeat skips both marks. The next claim clears them.
 UPDATE dedupe_claims
    SET lease_until = now(),
        attempts = CASE WHEN $4 AND attempts >= $6 THEN greatest($6 - 1, 0) ELSE attempts END,
-       error = CASE WHEN $5 THEN 'handed back' ELSE error END, updated_at = now()
+       error = CASE WHEN $5 THEN 'handed back' ELSE 'handed back after a take-over' END,
+       updated_at = now()
  WHERE scope = $1 AND key = $2 AND token = $3 AND status = 'in_progress'
 RETURNING 1;
 

@@ -65,7 +65,8 @@ CREATE TABLE dedupe_claims (
     reason            text,
     -- A failed key's detail (the x-dedupe-detail: 'ValueError: ...'), an in-progress key's last
     -- retried error, or 'handed back' on a key a stopping worker gave back (give_back), so that
-    -- its next claim is not counted as a crash.
+    -- its next claim is not counted as a crash ('handed back after a take-over' on a dead
+    -- worker's key it had taken over: that crash stays in its history). A heartbeat skips both.
     error             text,
     -- When the broker confirmed a failed key's dead letter. A failed key without it was failed
     -- by a worker that died before its dead letter went out: its next delivery is dead-lettered

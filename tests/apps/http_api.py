@@ -57,6 +57,15 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
         await asyncio.sleep(float(request.headers.get("x-pause-s", s)))
         return {"order_id": order_id}
 
+    @api.post("/late", status_code=201)
+    async def late(request: Request) -> Response:
+        """Writes an order, sleeps X-Pause-S seconds, then answers X-Answer (default 201);
+        headers are not fingerprinted, so requests that differ only in them are duplicates."""
+        order_id = await _order(request, "late")
+        await asyncio.sleep(float(request.headers.get("x-pause-s", "0")))
+        status = int(request.headers.get("x-answer", "201"))
+        return JSONResponse({"order_id": order_id}, status_code=status)
+
     @api.post("/fail")
     async def fail(request: Request) -> Response:
         await _order(request, "fail")

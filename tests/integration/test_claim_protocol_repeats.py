@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel
 
 from dedupe import App, Context
+from dedupe.claims.leases import Lease, Leases
 from dedupe.claims.records import ClaimRequest, Fence, Reason
 from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
@@ -203,6 +204,32 @@ async def test_a_heartbeat_after_the_give_back_does_not_hold_the_key_again(
     assert await db.fetchval("SELECT lease_until <= now() FROM dedupe_claims")
     [again] = await store.claim_batch([request("k")], lease_s=30, retention_s=3600)
     assert again.owned and again.handed_back
+
+
+async def test_a_heartbeat_after_a_taken_over_key_is_given_back_does_not_hold_it_again(
+    store: ClaimStore, second_store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A key this worker took over from a dead one and gives back at a stop (Leases.give_back
+    of a taken-over lease): a beat sent before the give-back and run after it extends nothing,
+    as for any give-back, so the key is free at once; the key keeps its crash history (its next
+    claim is still a take-over, whose run happens alone, and the history says taken_over)."""
+    [dead] = await second_store.claim_batch([request("k")], lease_s=30, retention_s=3600)
+    await db.execute("UPDATE dedupe_claims SET lease_until = now() - interval '1 second'")
+    [claim] = await store.claim_batch([request("k")], lease_s=30, retention_s=3600)
+    assert claim.owned and claim.taken_over and claim.token != dead.token
+    fence = Fence("t.work", "k", claim.token or 0)
+    assert await store.heartbeat([(fence, 30.0)]) == {fence.ident}
+    lease = Lease(fence, 30.0, attempt=claim.attempts, counted=False, taken_over=True)
+    await Leases(store).give_back(lease)
+    assert await store.heartbeat([(fence, 30.0)]) == set()
+    assert await db.fetchval("SELECT lease_until <= now() FROM dedupe_claims")
+    [again] = await second_store.claim_batch([request("k")], lease_s=30, retention_s=3600)
+    assert again.owned and again.taken_over and not again.handed_back
+    events = await db.fetch("SELECT event FROM dedupe_claim_events ORDER BY at, id")
+    assert [e["event"] for e in events if e["event"] != "attempt"][-2:] == [
+        "taken_over",
+        "taken_over",
+    ]
 
 
 # -- a failed COMMIT -------------------------------------------------------------------------

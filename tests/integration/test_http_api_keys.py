@@ -4,6 +4,7 @@ so an HTML form with a hidden key field is protected (handlers/orders_api.py's o
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -140,6 +141,35 @@ async def test_the_form_page_draws_a_new_key_per_render_and_a_session(
     assert all(keys) and keys[0][1] != keys[1][1]  # type: ignore[index]
     assert "session=" in pages[0].headers["set-cookie"]
     assert "httponly" in pages[0].headers["set-cookie"].lower()
+
+
+def _raising(message: Any) -> str | None:
+    raise ValueError("this request breaks the function")
+
+
+@pytest.mark.parametrize("option", ["key", "scope"])
+async def test_a_key_or_scope_function_that_raises_is_a_400_and_the_endpoint_does_not_run(
+    orders_db: str, db: asyncpg.Connection, caplog: pytest.LogCaptureFixture, option: str
+) -> None:
+    """Nothing a client sends yields a 5xx: a key= or scope= callable that raises on the
+    request answers 400 invalid-request (as a raising fingerprint= does), claims nothing, runs
+    nothing, and logs the function's exception at WARNING for the API's owner."""
+    api = create_test_api(orders_db, **{option: _raising})
+    with caplog.at_level(logging.WARNING, logger="dedupe.asgi"):
+        async with serving(api) as base, client_of(base) as client:
+            answer = await client.post(
+                "/echo", json={"sku": "pen"}, headers={**ALICE, "Idempotency-Key": "r-1"}
+            )
+    assert answer.status_code == 400, answer.text
+    assert answer.headers["content-type"] == "application/problem+json"
+    problem = answer.json()
+    assert problem["type"] == "urn:dedupe-worker:problem:invalid-request"
+    assert problem["detail"] == f"the {option}= function raised ValueError on this request"
+    assert await orders(db) == []
+    assert await db.fetchval("SELECT count(*) FROM dedupe_claims") == 0
+    [record] = [r for r in caplog.records if r.name == "dedupe.asgi" and "raised" in r.message]
+    assert record.levelno == logging.WARNING and f"{option}= function" in record.getMessage()
+    assert record.exc_info is not None and isinstance(record.exc_info[1], ValueError)
 
 
 @pytest.mark.parametrize("spec", ["kafka:offset", "message_id", "form:", "cookie:x", "body:a..b"])

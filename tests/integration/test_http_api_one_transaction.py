@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -251,6 +252,48 @@ async def test_a_5xx_rolls_back_and_the_retry_runs_as_attempt_2(
     assert boom.status_code == 500
     assert await db.fetchval("SELECT count(*) FROM orders") == 1
     assert (await claim_row(db, "f-2") or {}).get("error") == "handed back"
+
+
+async def test_counting_a_failed_attempt_waits_no_longer_than_the_claim_behind_a_duplicate(
+    orders_db: str, db: asyncpg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lease_s=30: lock_timeout 2 s. The first request's endpoint answers 503 after 0.5 s
+    while its duplicate waits on its row; the rollback lets the duplicate claim the key and run
+    for 6 s. Counting the failed attempt (first_attempt_failed) then meets the duplicate's open
+    row: like the claim, it waits at most lock_timeout and leaves the key to the run that holds
+    it (whose outcome decides), instead of holding the 503 back for the 5 s store timeout and
+    logging a failure. The duplicate completes as attempt 1; a retry replays it."""
+    asgi = create_test_api(orders_db, one_transaction=True)
+    with caplog.at_level(logging.INFO, logger="dedupe.asgi"):
+        async with serving(asgi) as base, client_of(base) as client:
+            started = time.monotonic()
+            first = asyncio.ensure_future(
+                post(client, "w-1", {}, "/late", headers={"X-Pause-S": "0.5", "X-Answer": "503"})
+            )
+            await eventually(lambda: open_transactions(db))
+            duplicate = asyncio.ensure_future(
+                post(client, "w-1", {}, "/late", headers={"X-Pause-S": "6"})
+            )
+            await eventually(lambda: waiting_on_a_lock(db))
+            failed = await first
+            failed_after = time.monotonic() - started
+            ran = await duplicate
+            retry = await post(client, "w-1", {}, "/late")
+    assert failed.status_code == 503, failed.text  # the endpoint's own answer
+    assert failed_after < 4.0, failed_after  # 0.5 s + lock_timeout, not + the 5 s timeout
+    assert ran.status_code == 201, ran.text
+    assert retry.headers["idempotent-replayed"] == "true" and retry.content == ran.content
+    assert await orders(db) == [("late", "w-1")]
+    assert await claim_row(db, "w-1") == {
+        "status": "completed",
+        "attempts": 1,
+        "error": None,
+        "lapsed": None,
+    }
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [
+        r.getMessage() for r in caplog.records
+    ]
+    assert any("held by another request" in r.getMessage() for r in caplog.records)
 
 
 async def test_the_bound_rolls_a_long_run_back_with_a_503_and_the_retry_runs_under_a_lease(
