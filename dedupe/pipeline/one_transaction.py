@@ -322,8 +322,23 @@ class OneTransaction:
                 "attempt": 1,
             },
         )
+        bound, _, _, _ = bounds(handler)
         try:
-            await self.store.first_attempt_failed(request, retention_s=handler.retention_s)
+            await self.store.first_attempt_failed(
+                request,
+                retention_s=handler.retention_s,
+                bounds=TransactionBounds.of(handler.lease_s, bound),
+            )
+        except asyncpg.LockNotAvailableError:
+            # Another delivery of the key claimed it once this transaction rolled back and its
+            # run is still open: its outcome decides, as when its row is committed already.
+            # This attempt is not counted; the two-commit path finds the key in flight.
+            logger.info(
+                "%s: the failed attempt is not counted: key %s is held by another run",
+                handler.name,
+                request.key,
+                extra={"handler": handler.name, "scope": request.scope, "key": request.key},
+            )
         except StoreError as exc:
             logger.warning("could not count the failed attempt (%s)", storable_text(str(exc), 200))
             return self._left(STORE)
