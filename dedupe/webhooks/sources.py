@@ -7,6 +7,7 @@ idempotency key and tenant the request carries; the source scopes that key. The 
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ from dedupe.claims.values import check_claimable
 from dedupe.errors import InvalidPayload, KeyMissing
 from dedupe.message import Headers, Message
 from dedupe.webhooks.verifiers import Verifier
+
+logger = logging.getLogger("dedupe_receiver")
 
 DEFAULT_MAX_BODY_BYTES = 1024 * 1024
 # The forwarded message's header with the sender's idempotency key (the receiver sets it; a
@@ -87,6 +90,16 @@ class WebhookSource:
                 key = self.key_func(message)
             except InvalidPayload as exc:
                 raise KeyMissing(f"no idempotency key at {self.key_spec}: {exc}") from exc
+            except Exception as exc:
+                # The user's key function could not read this (verified) request: the
+                # sender's request is refused (400), not answered by a 500. The exception's
+                # message stays in our log; the client sees only its class.
+                logger.warning(
+                    "webhook %s: the key function raised on a request", self.name, exc_info=True
+                )
+                raise KeyMissing(
+                    f"the key function could not read the request ({exc.__class__.__name__})"
+                ) from exc
         if not key:
             where = f"at {self.key_spec}" if self.key_spec else f"in {verified.key_from}"
             raise KeyMissing(f"the request carries no idempotency key {where}")

@@ -10,11 +10,12 @@ import asyncpg
 import httpx
 import pytest
 
+import dedupe_rabbitmq as rabbitmq
 from dedupe import App
 from dedupe.claims.store import ClaimStore
 from dedupe.errors import ConfigurationError
-from dedupe.message import Headers
-from dedupe.webhooks import env, github
+from dedupe.message import Headers, Message
+from dedupe.webhooks import api_key, env, github
 from dedupe_kafka.publisher import KafkaPublisher
 from dedupe_receiver.application import create_receiver
 from dedupe_receiver.forwarding import (
@@ -257,3 +258,50 @@ async def test_a_broker_limit_that_leaves_no_room_for_a_body_stops_the_receiver_
 
     with pytest.raises(ConfigurationError, match="max_request_size"):
         create_receiver(hooks, store=store, publisher=Tiny())
+
+
+# -- a key function that raises ----------------------------------------------------------------
+
+
+async def test_a_key_function_that_raises_is_a_400_and_nothing_is_claimed_or_published(
+    hooks: App,  # noqa: F811
+    store: ClaimStore,
+    publisher: CountingPublisher,  # noqa: F811
+    db: asyncpg.Connection,
+    amqp_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A user's key callable that cannot read a verified request (here a KeyError on a body
+    without its field) refuses the request with a 400, never a 500; its message stays in the
+    log, the client sees only the exception's class."""
+
+    def order_id(message: Message) -> str:
+        return str(json.loads(message.body)["order"]["id"])
+
+    source = hooks.webhook(
+        "by-order",
+        verify=api_key({API_KEY_A: "tenant-a"}),
+        channel=f"{hooks.webhooks['orders'].channel}-by-order",
+        key=order_id,
+    )
+    receiver = create_receiver(hooks, store=store, publisher=publisher)
+    transport = httpx.ASGITransport(app=receiver)
+    async with httpx.AsyncClient(transport=transport, base_url="http://receiver") as http:
+        response = await http.post(
+            "/webhooks/by-order",
+            content=b'{"secret-looking": "value"}',
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY_A}"},
+        )
+        document = assert_problem(response, 400, "missing-key")
+        assert "KeyError" in str(document["detail"])
+        assert "order" not in str(document["detail"])
+        ok = await http.post(
+            "/webhooks/by-order",
+            content=b'{"order": {"id": 7}}',
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY_A}"},
+        )
+        assert ok.status_code == 202, ok.text
+    assert await claims(db) == 1  # the readable request only
+    assert len(publisher.published) == 1
+    assert any("key function raised" in r.getMessage() for r in caplog.records)
+    await rabbitmq.delete_channels(amqp_url, [source.channel])  # no handler: not in app.channels
