@@ -145,6 +145,12 @@ class KeyedRun:
         finally:
             self.leases.forget(held)
             await self.db.close()
+            # The run is over: drop the references that close cycles (effects -> its cancel,
+            # run.lose -> the run; the scope -> request.state.idempotency -> effects), so the
+            # request's objects go by reference counting, not by the cyclic GC (~50 objects a
+            # request, ~60 us of collections; bench/http_core.py).
+            self.effects = None
+            self._scope = None
 
     # -- what a one-transaction run (dedupe.asgi.one_transaction) does otherwise ---------------
 
