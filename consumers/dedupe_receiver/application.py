@@ -103,6 +103,7 @@ class Receiver:
         self.metrics.watch_receiver(self.stats)
         self.metrics_interval_s = metrics_interval_s
         self.activity: Activity | None = None
+        self._intake: Intake | None = None
 
     def _adopt_limit(self, publisher: object) -> None:
         """Fit every source's body limit under the broker's message limit, or refuse to start."""
@@ -179,13 +180,13 @@ class Receiver:
 
     async def webhook(self, request: Request) -> Response:
         """POST /webhooks/{source}: every outcome a client can cause is a 2xx or a 4xx."""
+        return await self._webhook(request, _request_headers(request)[1])
+
+    async def _webhook(self, request: Request, headers: Headers) -> Response:
         name = request.path_params["source"]
         source = self.app.webhooks.get(name)
         if source is None:
             return problem(404, "unknown-source", "Unknown webhook source", f"no source {name!r}")
-        # One view of the headers for every check and for what is forwarded: of a header sent
-        # twice, the last one counts everywhere.
-        headers = Headers(request.headers)
         if not source.accepts(headers.get("content-type")):
             return problem(
                 415,
@@ -217,9 +218,10 @@ class Receiver:
     async def traced_webhook(self, request: Request) -> Response:
         """webhook() in a SERVER span (OpenTelemetry), which the forwarded message carries on."""
         name = request.path_params["source"]
+        first, headers = _request_headers(request)
         attributes = {"dedupe.webhook.source": name, "http.request.method": request.method}
-        with tracing.server_span(f"dedupe.receive {name}", request.headers, attributes) as span:
-            response = await self.webhook(request)
+        with tracing.server_span(f"dedupe.receive {name}", first, attributes) as span:
+            response = await self._webhook(request, headers)
             tracing.annotate(span, **{"http.response.status_code": response.status_code})
             return response
 
@@ -264,16 +266,40 @@ class Receiver:
             )
         tracing.annotate_current(**{"dedupe.scope": identity.scope, "dedupe.key": identity.key})
         forward = {**forward, **tracing.trace_headers()}  # the worker's span: our child
-        intake = Intake(
-            store=store,
-            publisher=publisher,
-            activity=self.activity,
-            stats=self.stats,
-            metrics=self.metrics,
-            publish_timeout_s=self.publish_timeout_s,
-            store_timeout_s=self.store_timeout_s,
-        )
+        intake = self._intake
+        if (
+            intake is None
+            or intake.store is not store
+            or intake.publisher is not publisher
+            or intake.activity is not self.activity
+        ):
+            # Made once per lifespan, not per request (what it holds changes only there).
+            intake = self._intake = Intake(
+                store=store,
+                publisher=publisher,
+                activity=self.activity,
+                stats=self.stats,
+                metrics=self.metrics,
+                publish_timeout_s=self.publish_timeout_s,
+                store_timeout_s=self.store_timeout_s,
+            )
         return await intake.claim(source, identity, forward, body)
+
+
+def _request_headers(request: Request) -> tuple[dict[str, str], Headers]:
+    """The request's headers in one pass over the ASGI list, seen two ways: the first value
+    of each name (what Starlette's request.headers answers; the trace context is read from
+    it) and dedupe's Headers, the one view for every check and for what is forwarded (of a
+    header sent twice, the last one counts everywhere)."""
+    first: dict[str, str] = {}
+    last: dict[str, str] = {}
+    for raw_name, raw_value in request.scope["headers"]:
+        name = raw_name.decode("latin-1")
+        value = raw_value.decode("latin-1")
+        if name not in first:
+            first[name] = value
+        last[name] = value
+    return first, Headers(last)
 
 
 def _body_refused(exc: Exception, limit: int) -> Response:

@@ -4,6 +4,7 @@ bound on it counts it."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 
@@ -42,16 +43,26 @@ def forwarded_headers(
     headers: Mapping[str, str], source: WebhookSource, identity: Identity
 ) -> dict[str, str]:
     """The request's headers minus credentials and hop-by-hop ones, plus the webhook's own."""
-    forward = {
-        name.lower(): value
-        for name, value in headers.items()
-        if name.lower() not in _HOP_BY_HOP and not _CREDENTIAL.search(name)
-    }
+    forward: dict[str, str] = {}
+    for name, value in headers.items():
+        lower = _forwarded_name(name)
+        if lower is not None:
+            forward[lower] = value
     forward[SOURCE_HEADER] = source.name
     forward[WEBHOOK_KEY_HEADER] = identity.key
     if identity.tenant is not None:
         forward[TENANT_HEADER] = identity.tenant
     return forward
+
+
+@functools.lru_cache(maxsize=1024)
+def _forwarded_name(name: str) -> str | None:
+    """The name a header is forwarded under (lower case), None for one never forwarded;
+    remembered, since the same few names come with every request."""
+    lower = name.lower()
+    if lower in _HOP_BY_HOP or _CREDENTIAL.search(name):
+        return None
+    return lower
 
 
 def header_list_bytes(headers: Mapping[str, str]) -> int:
