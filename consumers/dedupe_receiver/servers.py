@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 try:
     import uvicorn
@@ -26,6 +27,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 from dedupe.errors import ConfigurationError
 from dedupe.plugins import Serving
+from dedupe.worker import freeze_startup_heap
 from dedupe_receiver.application import create_receiver
 from dedupe_receiver.status_page import StatusPage
 
@@ -78,6 +80,7 @@ async def serve_receiver(serving: Serving) -> bool:
         serve_metrics=serving.serve_metrics,
         metrics_interval_s=settings.metrics_interval_s,
     )
+    _freeze_once_started(asgi)
     config = uvicorn.Config(
         asgi,
         host=settings.receiver_host,
@@ -92,6 +95,22 @@ async def serve_receiver(serving: Serving) -> bool:
     stats = asgi.state.receiver.stats
     logger.info("receiver stopped; %s", json.dumps(dict(stats)))
     return started
+
+
+def _freeze_once_started(asgi: Starlette) -> None:
+    """Once the receiver's lifespan has started (store and publisher open), leave what is
+    alive out of every later garbage collection, as `dedupe-worker run` does once its worker
+    has (dedupe.worker.freeze_startup_heap): without it each full collection walked the whole
+    start-up heap, pausing every request in flight."""
+    started = asgi.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[Any]:
+        async with started(app) as state:
+            freeze_startup_heap()
+            yield state
+
+    asgi.router.lifespan_context = lifespan
 
 
 async def serve_status(serving: Serving) -> bool:
