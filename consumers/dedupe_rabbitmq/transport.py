@@ -26,6 +26,7 @@ from aiormq.exceptions import ChannelInvalidStateError
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
+from dedupe.errors import ConfigurationError
 from dedupe.message import Headers, Message
 from dedupe.transport import (
     DEFERRALS_HEADER,
@@ -46,11 +47,21 @@ from dedupe_rabbitmq.topology import copy_properties, declare_queues, delay_name
 
 logger = logging.getLogger(__name__)
 
-# What a channel or connection lost under a statement raises (then: consume again).
+# What a channel or connection lost under a statement raises (then: consume again)...
 _LOST = (
     aiormq.exceptions.ChannelClosed,
     aiormq.exceptions.ChannelInvalidStateError,
     aiormq.exceptions.ConnectionClosed,
+)
+# ...except the broker's refusals, which close the channel too (ChannelClosed's subclasses):
+# declaring again gets the same answer, so they are the start's error (topology.QueueMismatch,
+# a ConfigurationError, says what to do about a queue of another type).
+_REFUSED = (
+    ConfigurationError,
+    aiormq.exceptions.ChannelAccessRefused,
+    aiormq.exceptions.ChannelNotFoundEntity,
+    aiormq.exceptions.ChannelLockedResource,
+    aiormq.exceptions.ChannelPreconditionFailed,
 )
 
 # The frame's properties put into Message.meta when set (the rest have Message fields).
@@ -252,11 +263,12 @@ class RabbitMQTransport(Transport):
         self._inboxes = {name: _Inbox() for name in channels}
         try:
             await self._consume()
+        except _REFUSED:
+            raise
         except _LOST as exc:
             # The channel or the connection went away while the queues were being declared
             # (a broker restarting, a channel closed): consume again as after any loss, with
-            # backoff, rather than fail the start. Refusals (a queue of another type) still
-            # raise: they are not lost channels.
+            # backoff, rather than fail the start.
             logger.warning("lost RabbitMQ while starting to consume (%r); consuming again", exc)
             await self._restore()
         logger.info("consuming %s (prefetch %d)", ", ".join(channels), self.prefetch)
