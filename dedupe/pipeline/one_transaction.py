@@ -97,19 +97,31 @@ def first_delivery(message: Message) -> bool:
     return message.attempt == 1 and message.meta.get("redelivered", True) is False
 
 
+def _run_bound(handler: Handler) -> tuple[float, bool]:
+    """The run's bound (seconds) and whether reaching it counts as a failed attempt."""
+    counted = handler.timeout_s is not None and handler.timeout_s <= handler.lease_s
+    bound = handler.timeout_s if counted and handler.timeout_s is not None else handler.lease_s
+    return bound, counted
+
+
+def transaction_bounds(handler: Handler) -> TransactionBounds:
+    """The lock wait and session timeouts of the handler's one transaction (and of counting
+    its failed first attempt)."""
+    bound, _ = _run_bound(handler)
+    return TransactionBounds.of(handler.lease_s, bound)
+
+
 def bounds(handler: Handler) -> tuple[float, bool, float, float]:
     """The run's bound (seconds), whether reaching it counts as a failed attempt (timeout_s),
     the claim's lock_timeout and the session timeouts (seconds)."""
-    counted = handler.timeout_s is not None and handler.timeout_s <= handler.lease_s
-    bound = handler.timeout_s if counted and handler.timeout_s is not None else handler.lease_s
-    limits = TransactionBounds.of(handler.lease_s, bound)
+    bound, counted = _run_bound(handler)
+    limits = transaction_bounds(handler)
     return bound, counted, limits.lock_s, limits.session_s
 
 
 def begin_statement(handler: Handler) -> str:
     """BEGIN with the transaction's bounds, in one round trip (numbers only: no values)."""
-    bound, _, _, _ = bounds(handler)
-    return TransactionBounds.of(handler.lease_s, bound).begin()
+    return transaction_bounds(handler).begin()
 
 
 @dataclass(eq=False, slots=True)
@@ -195,7 +207,7 @@ class OneTransaction:
     ) -> Settlement | str | _Failed:
         """BEGIN ... COMMIT; every way out but the COMMIT rolls back (or drops the session)."""
         handler, message, request = ticket.handler, ticket.message, ticket.request
-        bound, counted, _, _ = bounds(handler)
+        bound, counted = _run_bound(handler)
         committed = False
         try:
             try:
@@ -322,12 +334,9 @@ class OneTransaction:
                 "attempt": 1,
             },
         )
-        bound, _, _, _ = bounds(handler)
         try:
             await self.store.first_attempt_failed(
-                request,
-                retention_s=handler.retention_s,
-                bounds=TransactionBounds.of(handler.lease_s, bound),
+                request, retention_s=handler.retention_s, bounds=transaction_bounds(handler)
             )
         except asyncpg.LockNotAvailableError:
             # Another delivery of the key claimed it once this transaction rolled back and its
