@@ -12,12 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
+from tenacity import RetryCallState, wait_exponential_jitter
 
 from dedupe.claims.database import (
     GC_LOCK_ID,
@@ -35,6 +30,18 @@ from dedupe.sql import queries
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# A statement of its own is sent at most this many times, after transient errors, waiting
+# _FETCH_BACKOFF (tenacity's exponential backoff with jitter) after each failed one.
+FETCH_ATTEMPTS = 4
+_FETCH_BACKOFF = wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05)
+
+
+def fetch_backoff(failed: int) -> float:
+    """The wait after failed attempt number `failed`, as tenacity's wait computes it."""
+    state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
+    state.attempt_number = failed
+    return float(_FETCH_BACKOFF(state))
 
 
 class ValueRefused(StoreError):
@@ -75,14 +82,13 @@ class ClaimStore:
             # A statement of its own is sent again after a transient error, on another pooled
             # connection. Every statement here is safe to repeat: a repeated claim finds its own
             # claims by its request id, a repeated completion or failure finds our own outcome,
-            # a repeated attempt count or give-back finds the count it made.
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(TRANSIENT_ERRORS),
-                stop=stop_after_attempt(4),
-                wait=wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05),
-                reraise=True,
-            ):
-                with attempt:
+            # a repeated attempt count or give-back finds the count it made. tenacity's schedule
+            # (FETCH_ATTEMPTS, fetch_backoff) without an AsyncRetrying per call, whose set-up
+            # and iteration cost more than the rest of this method: a retry is rare, a first
+            # attempt is not.
+            failed = 0
+            while True:
+                try:
                     async with self.pool.acquire() as pooled:
                         if bounded is None:
                             rows = list(await pooled.fetch(self._q[name], *args))
@@ -92,7 +98,11 @@ class ClaimStore:
                                 rows = list(await pooled.fetch(self._q[name], *args))
                         pooled.mark_clean()  # SET LOCAL ended with the transaction
                         return rows
-            raise AssertionError("unreachable")  # pragma: no cover
+                except TRANSIENT_ERRORS:
+                    failed += 1
+                    if failed >= FETCH_ATTEMPTS:
+                        raise
+                await asyncio.sleep(fetch_backoff(failed))
         except asyncpg.LockNotAvailableError:
             raise
         except TRANSIENT_ERRORS as exc:
