@@ -4,6 +4,7 @@ fingerprinted), its principal and scope; or the 4xx that says why it cannot have
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from dedupe.claims.fingerprints import Fingerprint
 from dedupe.claims.keys import KeyFunc
 from dedupe.claims.records import ClaimRequest
 from dedupe.errors import InvalidPayload
+
+logger = logging.getLogger("dedupe.asgi")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,16 @@ async def read_keyed(
     try:
         payload_hash, raw_hash = request_hashes(scheme, line, headers, body)
     except InvalidPayload as exc:
+        # Only the API's fingerprint= function raises it (or returns no bytes): its owner's
+        # to see, as a raising key= or scope= function is.
+        logger.warning(
+            "%s on %s %s: answered 400 invalid-request, the endpoint did not run",
+            exc,
+            line.method,
+            line.path.decode("latin-1"),
+            exc_info=exc.__cause__,
+            extra={"outcome": "refused"},
+        )
         return invalid_request(str(exc))
     request = ClaimRequest(
         scope_for(app_name, principal, secret), key, payload_hash, scheme.stored, raw_hash

@@ -165,24 +165,30 @@ async def test_fingerprint_exclude_leaves_body_paths_out(
 
 
 async def test_a_fingerprint_function_sees_the_request_as_a_message(
-    orders_db: str, db: asyncpg.Connection
+    orders_db: str, db: asyncpg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """fingerprint=callable: its bytes stand for the body (here: only the sku counts)."""
+    """fingerprint=callable: its bytes stand for the body (here: only the sku counts). When it
+    raises, the client gets a 400 and the API's owner a WARNING with the exception."""
     import json
 
     def sku_only(message: Any) -> bytes:
         return str(json.loads(message.body)["sku"]).encode()
 
     api = create_test_api(orders_db, fingerprint=sku_only)
-    async with serving(api) as base, client_of(base) as client:
-        first = await post(client, "f-1", {"sku": "cup", "quantity": 1})
-        same_sku = await post(client, "f-1", {"sku": "cup", "quantity": 5})
-        other = await post(client, "f-1", {"sku": "mug"})
-        broken = await post(client, "f-2", None, content=b"not json")
+    with caplog.at_level(logging.WARNING, logger="dedupe.asgi"):
+        async with serving(api) as base, client_of(base) as client:
+            first = await post(client, "f-1", {"sku": "cup", "quantity": 1})
+            same_sku = await post(client, "f-1", {"sku": "cup", "quantity": 5})
+            other = await post(client, "f-1", {"sku": "mug"})
+            broken = await post(client, "f-2", None, content=b"not json")
     assert same_sku.headers["idempotent-replayed"] == "true" and same_sku.content == first.content
     assert other.status_code == 422
     assert broken.status_code == 400
     assert broken.json()["type"] == "urn:dedupe-worker:problem:invalid-request"
+    [record] = [r for r in caplog.records if r.name == "dedupe.asgi" and "raised" in r.message]
+    assert record.levelno == logging.WARNING
+    assert "the fingerprint function raised JSONDecodeError" in record.getMessage()
+    assert record.exc_info is not None and isinstance(record.exc_info[1], ValueError)
 
 
 # -- the principal's keyed hash --------------------------------------------------------------
