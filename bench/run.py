@@ -55,9 +55,10 @@ from bench.targets import BROKERS  # noqa: E402
 
 
 # bench.core's batch shapes per broker: (deliveries per process() call, calls side by side).
-# RabbitMQ's transport hands over at most its prefetch (64) unacknowledged messages, Kafka's one
-# fetch of batch_max (64) records per partition, the bench's topics having 4 partitions.
-CORE_SHAPES = {"rabbit": (64, 1), "kafka": (64, 4)}
+# RabbitMQ's transport hands over at most its prefetch (256, 8 x the default concurrency)
+# unacknowledged messages, Kafka's one fetch of batch_max (the same 256) records per partition,
+# the bench's topics having 4 partitions.
+CORE_SHAPES = {"rabbit": (256, 1), "kafka": (256, 4)}
 
 
 async def commit(n: int, report: dict[str, Any]) -> None:

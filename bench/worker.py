@@ -217,7 +217,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="noop",
     )
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--prefetch", type=int, default=64)
+    # The product's default prefetch (8 x the default concurrency of 32), for every consumer:
+    # the raw clients get the same window (RabbitMQ) and batch (Kafka's getmany).
+    parser.add_argument("--prefetch", type=int, default=int(os.environ.get("BENCH_PREFETCH", 256)))
     parser.add_argument("--sql-loops", type=int, default=4)
     parser.add_argument("--latency", action="store_true", help="stop at SIGTERM, time bodies")
     parser.add_argument("--uvloop", action="store_true")

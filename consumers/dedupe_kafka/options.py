@@ -42,7 +42,7 @@ MEANING = {
 RUN_DEFAULT = {
     "group_id": "`dedupe-<app name>`",
     "client_id": "`DEDUPE_WORKER_NAME`",
-    "batch_max": "`DEDUPE_PREFETCH` (2 x concurrency)",
+    "batch_max": "`DEDUPE_PREFETCH` (8 x concurrency)",
     "revoke_timeout_s": "`DEDUPE_SHUTDOWN_TIMEOUT_S`, at most 10",
 }
 
@@ -57,7 +57,7 @@ class KafkaOptions:
     client_id: str = "dedupe-worker"
     partitions: int = 4  # for topics this transport creates
     replication_factor: int = 0  # for topics it creates; 0 = min(3, brokers in the cluster)
-    batch_max: int = 64  # messages per process() call (one claim statement)
+    batch_max: int = 256  # messages per process() call (one claim statement)
     max_held: int = 1000  # deferred messages kept per partition before it stops fetching
     batches_in_flight: int = 4  # fetched batches of one partition at once (see `depth`)
     commit_interval_s: float = 0.2

@@ -91,7 +91,7 @@ def _add_run(sub: Commands) -> None:
         type=int,
         metavar="N",
         help="unacknowledged deliveries held (RabbitMQ prefetch, Kafka batch) "
-        "[DEDUPE_PREFETCH; 2 x concurrency]",
+        "[DEDUPE_PREFETCH; 8 x concurrency]",
     )
     _add_process_options(run, stop="in-flight messages finish", connect="PostgreSQL and the broker")
     run.add_argument(

@@ -28,7 +28,7 @@ MEANING = {
     "or a URL of another installed transport ([transports.md](transports.md))",
     "concurrency": "handlers running at once per worker",
     "prefetch": "unacknowledged deliveries held (RabbitMQ prefetch, Kafka batch); "
-    "default 2 x concurrency",
+    "default 8 x concurrency",
     "shutdown_timeout_s": "grace period for in-flight messages on SIGTERM/SIGINT",
     "connect_timeout_s": "how long to keep retrying PostgreSQL and the broker at start",
     "gc_interval_s": (

@@ -44,7 +44,7 @@ def test_the_kafka_defaults_documented_for_run_are_the_transports() -> None:
     settings = Settings(worker_name="w-1", concurrency=3, shutdown_timeout_s=25)
     options = KafkaTransport("kafka://h:9092", settings=settings, app_name="shop").options
     assert (options.group_id, options.client_id) == ("dedupe-shop", "w-1")
-    assert (options.batch_max, options.revoke_timeout_s) == (6, 10.0)
+    assert (options.batch_max, options.revoke_timeout_s) == (24, 10.0)  # 8 x concurrency
     quick = Settings(prefetch=9, shutdown_timeout_s=4)
     options = KafkaTransport("kafka://h:9092", settings=quick, app_name="shop").options
     assert (options.batch_max, options.revoke_timeout_s) == (9, 4.0)

@@ -27,7 +27,7 @@ def test_url_options_are_typed_and_win_over_settings() -> None:
     assert options.bootstrap_servers == "a:9092,b:9092"
     assert (options.partitions, options.commit_interval_s, options.batch_max) == (8, 0.5, 10)
     assert options.client_id == "w1"
-    assert KafkaTransport("kafka://a:9092", settings=settings).options.batch_max == 16
+    assert KafkaTransport("kafka://a:9092", settings=settings).options.batch_max == 64  # 8 x 8
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,8 @@ def test_batches_in_flight_is_bounded_by_what_a_partition_may_hold() -> None:
     def depth(query: str) -> int:
         return KafkaOptions.from_url(f"kafka://localhost:9092?{query}").depth
 
-    assert depth("batch_max=64") == 4  # the default
+    assert depth("batch_max=64") == 4  # batches_in_flight's default
+    assert depth("") == 3  # batch_max 256: three fit in max_held 1000
     assert depth("batch_max=64&batches_in_flight=8") == 8
     assert depth("batch_max=500&max_held=1000&batches_in_flight=8") == 2
     assert depth("batch_max=64&max_held=10") == 1  # one batch at least

@@ -70,7 +70,7 @@ def test_the_rabbitmq_plugin_builds_a_worker_transport_from_the_settings() -> No
     plugin = transport_plugin(settings.broker_url)
     transport = plugin.transport(settings, app_name="shop")
     assert isinstance(transport, RabbitMQTransport)
-    assert (transport.prefetch, transport.batch_max) == (10, 10)
+    assert (transport.prefetch, transport.batch_max) == (40, 40)  # 8 x concurrency
     assert transport.connection_name == "dedupe-worker w-1"
     assert isinstance(plugin.publisher(settings), RabbitMQPublisher)
     assert plugin.dead_letters_kept is False
