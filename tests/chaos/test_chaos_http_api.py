@@ -557,4 +557,4 @@ async def test_an_api_killed_mid_request_while_clients_retry_creates_each_order_
     await record(report)
     print(f"keys taken over after a kill (a claim of more than one run): {figures['run_again']}")
     assert kills == FAULTS
-    assert not problems, problems
+    assert not problems, "\n".join(problems)
