@@ -114,8 +114,9 @@ async def throughput(broker: str, n: int, report: dict[str, Any], uvloop: bool) 
     out[f"{dedupe}/noop/{'asyncio' if uvloop else 'uvloop'}"] = other
     if broker == "kafka":
         # The database's own limit for the protocol: claim + complete of new keys with nothing
-        # else, at the worker's batch size and at a large one; the better of the two counts.
-        for batch, loops in ((64, 4), (500, 2)):
+        # else, at the worker's default batch (256, three in flight per partition of four) and
+        # at a large one; the better of the two counts.
+        for batch, loops in ((256, 4), (500, 2)):
             async with fresh_database() as db:
                 loop = Worker("sql-loop", "none", db, n=n, prefetch=batch, sql_loops=loops)
                 res = await loop.result()

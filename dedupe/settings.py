@@ -16,6 +16,10 @@ DEFAULT_DATABASE_URL = "postgresql://dedupe:dedupe@127.0.0.1:5432/dedupe"
 DEFAULT_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 
+# AMQP's basic.qos counts in 16 bits; Kafka's batch is one claim statement, kept to that too.
+PREFETCH_MAX = 65_535
+
+
 class Settings(BaseSettings):
     """Every option of `dedupe-worker`; each reads DEDUPE_<NAME> from the environment."""
 
@@ -24,7 +28,7 @@ class Settings(BaseSettings):
     database_url: str = DEFAULT_DATABASE_URL
     broker_url: str = DEFAULT_BROKER_URL
     concurrency: int = Field(32, ge=1, le=10_000)
-    prefetch: int | None = Field(None, ge=1, le=65_535)
+    prefetch: int | None = Field(None, ge=1, le=PREFETCH_MAX)
     shutdown_timeout_s: float = Field(30.0, ge=0)
     connect_timeout_s: float = Field(60.0, ge=0)
     gc_interval_s: float = Field(300.0, ge=0)
@@ -102,4 +106,4 @@ class Settings(BaseSettings):
         """The prefetch, or 8 x concurrency: a batch's claim and completion commits hold its
         deliveries unacknowledged, so the window must cover several batches' worth of work
         in flight for the rate not to be bound by it (BENCHMARKS.md, "The prefetch")."""
-        return self.prefetch or self.concurrency * 8
+        return self.prefetch or min(self.concurrency * 8, PREFETCH_MAX)

@@ -44,6 +44,7 @@ import httpx
 import pytest
 
 from dedupe.asgi.keys import MAX_KEY_CHARS
+from dedupe.asgi.run import STORE_TIMEOUT_S
 from tests.chaos.conftest import FAULTS, LEASE_S, SIZE, record
 from tests.chaos.harness import Probe, Report
 from tests.chaos.workload import hostile_key
@@ -58,9 +59,10 @@ PROBLEM = "urn:dedupe-worker:problem:"
 REQUEST_DEADLINE_S = 120.0
 MAX_TRIES = 1000
 CONCURRENCY = 24
-# A 503 is what a server killed or starting may cause: tolerated from a kill until this long
-# after its successor answered.
-RESTART_GRACE_S = LEASE_S + 3.0
+# A 503 is what a server killed or starting may cause: tolerated for a request sent from a kill
+# until this long after its successor answered (a claim or a pool that waits its whole
+# STORE_TIMEOUT_S in the restart's rush, behind a killed run's lease, then answers 503).
+RESTART_GRACE_S = STORE_TIMEOUT_S + LEASE_S + 3.0
 
 
 def valid_hostile_key(kind: str, base: str) -> str:
@@ -287,11 +289,13 @@ class Clients:
                 "Idempotency-Key": wires[(first + attempt) % len(wires)],
                 "Content-Type": "application/json",
             }
+            sent_restarting = self.api.restarting()
             try:
                 response = await client.post(self.url, content=body, headers=headers)
             except httpx.TransportError as exc:
                 self.connection_errors += 1  # the server is down or was killed mid-request
-                self.cut += not isinstance(exc, httpx.ConnectError)
+                # Cut by a kill after it was sent: the connection broke, not a slow answer.
+                self.cut += isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError)
                 await asyncio.sleep(self.jitter.uniform(0.05, 0.15))
                 continue
             if response.status_code == 409:
@@ -303,7 +307,7 @@ class Clients:
                     (
                         response.status_code,
                         problem_type(response.content),
-                        self.api.restarting(),
+                        sent_restarting or self.api.restarting(),
                     )
                 )
                 await asyncio.sleep(self.jitter.uniform(0.1, 0.3))
