@@ -38,6 +38,21 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def option_failed(line: RequestLine, exc: Exception) -> Problem:
+    """A function of the middleware's options (fingerprint=, key=, scope=) raised on this
+    request: a 400 for the client (nothing a client sends yields a 5xx; the endpoint does not
+    run), the function's exception logged at WARNING for the API's owner."""
+    logger.warning(
+        "%s on %s %s: answered 400 invalid-request, the endpoint did not run",
+        exc,
+        line.method,
+        line.path.decode("latin-1"),
+        exc_info=exc.__cause__,
+        extra={"outcome": "refused"},
+    )
+    return invalid_request(f"{exc} on this request")
+
+
 def request_line(scope: Scope) -> RequestLine:
     """Method, raw path and query of the request."""
     return RequestLine(
@@ -87,17 +102,8 @@ async def read_keyed(
     try:
         payload_hash, raw_hash = request_hashes(scheme, line, headers, body)
     except InvalidPayload as exc:
-        # Only the API's fingerprint= function raises it (or returns no bytes): its owner's
-        # to see, as a raising key= or scope= function is.
-        logger.warning(
-            "%s on %s %s: answered 400 invalid-request, the endpoint did not run",
-            exc,
-            line.method,
-            line.path.decode("latin-1"),
-            exc_info=exc.__cause__,
-            extra={"outcome": "refused"},
-        )
-        return invalid_request(str(exc))
+        # Only the API's fingerprint= function raises it (or returns no bytes).
+        return option_failed(line, exc)
     request = ClaimRequest(
         scope_for(app_name, principal, secret), key, payload_hash, scheme.stored, raw_hash
     )
@@ -129,4 +135,4 @@ def _content_length(headers: Collection[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-__all__ = ["Keyed", "read_body", "read_keyed", "request_line"]
+__all__ = ["Keyed", "option_failed", "read_body", "read_keyed", "request_line"]

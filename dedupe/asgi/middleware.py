@@ -27,7 +27,7 @@ import asyncpg
 from dedupe.app import App
 from dedupe.asgi import one_transaction as one_tx
 from dedupe.asgi.conflicts import recorded
-from dedupe.asgi.intake import read_body, read_keyed, request_line
+from dedupe.asgi.intake import option_failed, read_body, read_keyed, request_line
 from dedupe.asgi.keys import (
     DEFAULT_KEY_SPEC,
     MIN_SECRET_BYTES,
@@ -44,7 +44,6 @@ from dedupe.asgi.replies import (
     bad_key,
     compile_store_status,
     db_down,
-    invalid_request,
     key_required,
     schema_refused,
 )
@@ -652,18 +651,8 @@ def _principal_secret(given: str | bytes | None, *, scoped: bool) -> bytes | Non
 async def _source_failed(
     send: Send, line: RequestLine, exc: SourceFailed
 ) -> tuple[str, str | None]:
-    """A key= or scope= function raised: the request cannot be keyed. A 400 (nothing a client
-    sends yields a 5xx); the endpoint does not run; the exception is logged for the API's
-    owner."""
-    logger.warning(
-        "%s on %s %s: answered 400 invalid-request, the endpoint did not run",
-        exc,
-        line.method,
-        line.path.decode("latin-1"),
-        exc_info=exc.__cause__,
-        extra={"outcome": "refused"},
-    )
-    return await answer(send, invalid_request(f"{exc} on this request"), "refused")
+    """A key= or scope= function raised: the request cannot be keyed (intake.option_failed)."""
+    return await answer(send, option_failed(line, exc), "refused")
 
 
 class _Tally:
