@@ -97,7 +97,7 @@ def first_delivery(message: Message) -> bool:
     return message.attempt == 1 and message.meta.get("redelivered", True) is False
 
 
-def _run_bound(handler: Handler) -> tuple[float, bool]:
+def run_bound(handler: Handler) -> tuple[float, bool]:
     """The run's bound (seconds) and whether reaching it counts as a failed attempt."""
     counted = handler.timeout_s is not None and handler.timeout_s <= handler.lease_s
     bound = handler.timeout_s if counted and handler.timeout_s is not None else handler.lease_s
@@ -107,16 +107,8 @@ def _run_bound(handler: Handler) -> tuple[float, bool]:
 def transaction_bounds(handler: Handler) -> TransactionBounds:
     """The lock wait and session timeouts of the handler's one transaction (and of counting
     its failed first attempt)."""
-    bound, _ = _run_bound(handler)
+    bound, _ = run_bound(handler)
     return TransactionBounds.of(handler.lease_s, bound)
-
-
-def bounds(handler: Handler) -> tuple[float, bool, float, float]:
-    """The run's bound (seconds), whether reaching it counts as a failed attempt (timeout_s),
-    the claim's lock_timeout and the session timeouts (seconds)."""
-    bound, counted = _run_bound(handler)
-    limits = transaction_bounds(handler)
-    return bound, counted, limits.lock_s, limits.session_s
 
 
 def begin_statement(handler: Handler) -> str:
@@ -207,7 +199,7 @@ class OneTransaction:
     ) -> Settlement | str | _Failed:
         """BEGIN ... COMMIT; every way out but the COMMIT rolls back (or drops the session)."""
         handler, message, request = ticket.handler, ticket.message, ticket.request
-        bound, counted = _run_bound(handler)
+        bound, counted = run_bound(handler)
         committed = False
         try:
             try:
@@ -375,4 +367,11 @@ def _log(handler: Handler, ticket: Ticket, fence: Fence) -> logging.LoggerAdapte
     )
 
 
-__all__ = ["NeedsOwnCommits", "OneTransaction", "begin_statement", "bounds", "first_delivery"]
+__all__ = [
+    "NeedsOwnCommits",
+    "OneTransaction",
+    "begin_statement",
+    "first_delivery",
+    "run_bound",
+    "transaction_bounds",
+]
