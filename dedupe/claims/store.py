@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
-from tenacity import RetryCallState, wait_exponential_jitter
+from tenacity import wait_exponential_jitter
 
 from dedupe.claims.database import (
     GC_LOCK_ID,
@@ -21,6 +21,7 @@ from dedupe.claims.database import (
     TransactionBounds,
     connect_pool,
     said,
+    scheduled_wait,
 )
 from dedupe.claims.records import Claim, ClaimRequest, Fence, KeyId, Reason
 from dedupe.claims.values import dropped_result, storable_text
@@ -39,9 +40,7 @@ _FETCH_BACKOFF = wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05)
 
 def fetch_backoff(failed: int) -> float:
     """The wait after failed attempt number `failed`, as tenacity's wait computes it."""
-    state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
-    state.attempt_number = failed
-    return float(_FETCH_BACKOFF(state))
+    return scheduled_wait(_FETCH_BACKOFF, failed)
 
 
 class ValueRefused(StoreError):

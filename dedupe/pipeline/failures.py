@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tenacity import RetryCallState, wait_exponential_jitter
+from tenacity import wait_exponential_jitter
 
+from dedupe.claims.database import scheduled_wait
 from dedupe.claims.values import storable_error
 from dedupe.errors import DedupeError, Retry
 
@@ -35,13 +36,10 @@ def retry_delay(handler: Handler, failed: int, exc: BaseException) -> float:
     number is the claim's count, so the backoff keeps growing across parked retries."""
     if isinstance(exc, Retry) and exc.delay_s is not None:
         return float(exc.delay_s)
-    state = RetryCallState(None, None, (), {})  # type: ignore[arg-type]  # no retrier
-    state.attempt_number = failed
-    state.set_exception((type(exc), exc, exc.__traceback__))
     backoff = wait_exponential_jitter(
         multiplier=handler.backoff_s, max=handler.max_backoff_s, jitter=handler.backoff_s
     )
-    return float(backoff(state))
+    return scheduled_wait(backoff, failed)
 
 
 __all__ = ["describe", "retry_delay", "transient"]
