@@ -50,23 +50,35 @@ async def test_kill_9_mid_batch_and_restart_loses_nothing_and_runs_each_key_once
     effects: asyncpg.Connection,
 ) -> None:
     """Two workers in one group, one SIGKILLed mid-stream (with claims in flight) and
-    restarted: each key's effect once, and the group's committed offsets reach the end."""
-    unique = 400
-    messages = [(payload(i, sleep_s=0.02), {}, f"k{i}") for i in range(unique)]
+    restarted: each key's effect once, and the group's committed offsets reach the end.
+
+    The victim starts first and is busy before its peer starts, and both take batches of 32:
+    the group rebalances at once (group.initial.rebalance.delay.ms=0) and a member gives up a
+    partition only once the batches it holds are done, so with the default window of 256 the
+    first member to join held the whole stream and the other saw only duplicates (CI of
+    b191c54: the victim joined second and never held a claim)."""
+    unique = 800
+    messages = [(payload(i, sleep_s=0.05), {}, f"k{i}") for i in range(unique)]
     messages += messages[: unique // 3]  # a third published twice
     await kafka.publish(group_url, channel, messages)
-    victim = spawn(lease_s=1.0)
-    spawn(lease_s=1.0)
-    victim_name = f"{socket.gethostname()}:{victim.pid}"  # the worker's default name
     in_flight = "SELECT count(*) FROM dedupe_claims WHERE status = 'in_progress' AND owner = $1"
+    ran = "SELECT count(*) FROM dedupe_claims WHERE status = 'completed' AND owner = $1"
+    window = ("--prefetch", "32")
+    victim = spawn(*window, lease_s=1.0)
+    victim_name = f"{socket.gethostname()}:{victim.pid}"  # the worker's default name
+
+    async def holds(name: str) -> bool:
+        return bool(await effects.fetchval(in_flight, name))
+
+    await eventually(lambda: holds(victim_name))
+    peer = spawn(*window, lease_s=1.0)
+    peer_name = f"{socket.gethostname()}:{peer.pid}"
 
     async def victim_busy() -> bool:
-        return bool(
-            await effects.fetchval("SELECT count(*) >= 60 FROM effects")
-            and await effects.fetchval(in_flight, victim_name)
-        )
+        # Both in the group (the peer has completed keys), the victim with claims in flight.
+        return bool(await effects.fetchval(ran, peer_name) and await holds(victim_name))
 
-    await eventually(victim_busy)
+    await eventually(victim_busy, timeout_s=30)
     victim.send_signal(signal.SIGKILL)
     assert await wait_exit(victim) == -signal.SIGKILL
     # It died mid-batch: keys it had claimed are still in progress under its name (nobody
