@@ -36,12 +36,10 @@ def event_loop() -> str:
 
 
 def http_implementation() -> str:
-    """What uvicorn's `http="auto"` (its default, and the receiver's) picks."""
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return "h11"
-    return "httptools"
+    """uvicorn's HTTP protocol for every server of a bench: the receiver's, `dedupe-worker
+    receive --http` (DEDUPE_RECEIVER_HTTP; h11 by default, which bounds a request's head).
+    Runs before 2026-12-05 took uvicorn's default `http="auto"`, httptools when installed."""
+    return os.environ.get("DEDUPE_RECEIVER_HTTP", "h11")
 
 
 async def read_response(reader: asyncio.StreamReader) -> int:

@@ -33,6 +33,12 @@ from dedupe_receiver.status_page import StatusPage
 
 logger = logging.getLogger(__name__)
 
+# uvicorn's HTTP/1.1 protocols. h11 (the default) bounds a request's head: it stops buffering
+# an unfinished head past 16 KiB (h11_max_incomplete_event_size) and answers 400. httptools
+# parses faster but keeps whatever head a client sends (a 32 MiB header line is read in full
+# and handed on), so it is for a receiver behind a proxy that bounds heads itself.
+HTTP_PROTOCOLS = ("h11", "httptools")
+
 
 class _QuietServer(uvicorn.Server):
     """uvicorn without signal handlers of its own: the CLI's set Serving.stop and .force."""
@@ -86,6 +92,7 @@ async def serve_receiver(serving: Serving) -> bool:
         host=settings.receiver_host,
         port=settings.receiver_port,
         lifespan="on",
+        http=serving.http,
         log_config=None,  # our logging.basicConfig, not uvicorn's
         access_log=False,  # per-request lines at DEBUG come from the receiver
         server_header=False,
@@ -127,6 +134,7 @@ async def serve_status(serving: Serving) -> bool:
         asgi,
         host=settings.status_host,
         port=settings.status_port,
+        http="h11",  # a bounded request head (HTTP_PROTOCOLS)
         log_config=None,
         access_log=False,
         server_header=False,

@@ -186,6 +186,15 @@ def _add_receive(sub: Commands) -> None:
     )
     add_option(
         receive,
+        "--http",
+        choices=["h11", "httptools"],
+        default="h11",
+        help="uvicorn's HTTP/1.1 parser: h11 bounds a request's head (an unfinished head past "
+        "16 KiB gets 400); httptools is faster but keeps any head a client sends, so use it "
+        "only behind a proxy that bounds heads",
+    )
+    add_option(
+        receive,
         "--no-status",
         action="store_true",
         default=False,

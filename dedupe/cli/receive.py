@@ -40,6 +40,7 @@ async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:
             app=app,
             publisher=publisher,
             store_timeout_s=args.store_timeout_s,
+            http=args.http,
             serve_status=not args.no_status,
             serve_metrics=not args.no_metrics,
         )

@@ -142,6 +142,37 @@ async def test_a_client_waiting_for_100_continue_gets_the_413_and_sends_no_body(
     assert b"payload-too-large" in answer
 
 
+async def test_an_endless_request_head_is_cut_off_and_the_receiver_serves_on(
+    receive_process: tuple[subprocess.Popen[bytes], int, Path],  # noqa: F811
+) -> None:
+    """A header line that never ends: the receiver (uvicorn's h11, `--http`'s default) stops
+    reading it after its 16 KiB bound and closes, long before the 64 MiB the client would
+    send (httptools read all of it into memory and handed it on); the next request is served."""
+    base = await serving(*receive_process)
+    port = int(base.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    chunk, sent, total = b"a" * CHUNK, 0, 64 * MIB
+    answer = b""
+    try:
+        writer.write(b"POST /webhooks/github HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Endless: ")
+        async with asyncio.timeout(30):
+            while sent < total:
+                writer.write(chunk)
+                await writer.drain()
+                sent += CHUNK
+        pytest.fail(f"the receiver read a {sent // MIB} MiB header line")
+    except (ConnectionError, TimeoutError):
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            answer = await asyncio.wait_for(reader.read(200), 5)
+    finally:
+        writer.close()
+    # What the socket buffers took before the close reached us, not what the server kept.
+    assert sent < 16 * MIB, sent
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 400 "), answer
+    async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+        assert (await http.get("/readyz")).status_code == 200
+
+
 # -- the bounds, in-process ------------------------------------------------------------------
 
 
