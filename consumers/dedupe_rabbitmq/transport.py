@@ -214,8 +214,8 @@ class RabbitMQTransport(Transport):
         self,
         url: str,
         *,
-        prefetch: int = 64,
-        batch_max: int = 64,
+        prefetch: int = 256,  # Settings.effective_prefetch at the default concurrency
+        batch_max: int = 256,
         connection_name: str = "dedupe-worker",
     ) -> None:
         self.url = url

@@ -8,6 +8,7 @@ import subprocess
 import uuid
 
 import aio_pika
+import aiormq
 import asyncpg
 from pydantic import BaseModel
 
@@ -50,7 +51,12 @@ async def queue_state(amqp_url: str, name: str) -> tuple[int, int]:
 
 
 async def consumers(amqp_url: str, name: str) -> int:
-    return (await queue_state(amqp_url, name))[1]
+    """The queue's consumers; 0 while it is not declared yet (the transport takes its channel
+    before it declares the queues, so a test that waits on both may look in between)."""
+    try:
+        return (await queue_state(amqp_url, name))[1]
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return 0
 
 
 async def all_effects_once(db: asyncpg.Connection, count: int) -> None:
