@@ -4,17 +4,24 @@ out together in the next one. No timers, so no added latency when idle.
 Two flushes are in flight by default, each on a connection of its own: an item that arrives while
 one statement runs goes out at once in the second instead of waiting for the first to end, and
 under load each statement carries what queued while the other ran. Results are placed by
-position within their own flush, so flushes never need to end in order."""
+position within their own flush, so flushes never need to end in order.
+
+A caller that stops waiting (cancelled, timed out) does not stop a flush that already carries
+its items: their results go to `orphaned(items, results)`, if given, so that what the flush
+did for nobody can be undone (a claim given back)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+logger = logging.getLogger("dedupe.claims")
 
 
 class _Group(Generic[T, R]):
@@ -39,8 +46,10 @@ class Batcher(Generic[T, R]):
         *,
         max_batch: int = 500,
         in_flight: int = 2,
+        orphaned: Callable[[Sequence[T], Sequence[R]], Awaitable[None]] | None = None,
     ) -> None:
         self._flush = flush
+        self._orphaned = orphaned
         self._max_batch = max_batch
         self._in_flight = max(1, in_flight)
         self._pending: collections.deque[_Group[T, R]] = collections.deque()
@@ -109,9 +118,18 @@ class Batcher(Generic[T, R]):
                 if self._pending:
                     self._wake()  # the other may start while this one places its results
             at = 0
+            orphans: tuple[list[T], list[R]] = ([], [])
             for group, first, count in batch:
                 group.results[first : first + count] = results[at : at + count]
+                if group.future.done():  # its caller stopped waiting: nobody takes these
+                    orphans[0].extend(group.items[first : first + count])
+                    orphans[1].extend(results[at : at + count])
                 at += count
                 group.placed += count
                 if group.placed >= len(group.items) and not group.future.done():
                     group.future.set_result(group.results)  # type: ignore[arg-type]
+            if orphans[0] and self._orphaned is not None:
+                try:
+                    await self._orphaned(*orphans)
+                except Exception:
+                    logger.exception("undoing a flush's work for callers that left failed")

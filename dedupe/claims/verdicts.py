@@ -8,6 +8,8 @@ only map the verdicts to what their edge answers (a run, an HTTP status).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +22,8 @@ from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import check_claimable
 from dedupe.errors import InvalidKey, InvalidPayload, KeyMissing, StoreError
 from dedupe.message import Message
+
+logger = logging.getLogger("dedupe.claims")
 
 # How many times a key whose row the claim statement could not see (committed concurrently,
 # or deleted by clean-up or an operator) is claimed again at once before it counts as in flight.
@@ -184,7 +188,9 @@ class Claims:
 
     Per name (a handler, a webhook source), whatever arrives while a claim statement is in
     flight goes out together in the next one (dedupe.claims.batching); a key present twice in
-    one flush goes in a later statement, where it meets the first one's claim.
+    one flush goes in a later statement, where it meets the first one's claim. A key claimed
+    for a caller that stopped waiting (its timeout struck while the statement waited on a lock)
+    is given back at once, as that caller would have: its retry need not wait out the lease.
     """
 
     def __init__(self, store: ClaimStore) -> None:
@@ -203,7 +209,7 @@ class Claims:
             async def flush(batch: Sequence[ClaimRequest]) -> list[Claim]:
                 return await self._claim_distinct(terms, batch)
 
-            batcher = self._batchers[(name, terms)] = Batcher(flush)
+            batcher = self._batchers[(name, terms)] = Batcher(flush, orphaned=self._give_back)
         try:
             claims = await batcher.submit_many(requests)
         except StoreError as exc:
@@ -215,6 +221,18 @@ class Claims:
                 verdict if verdict is not None else await self.claim_one(terms, request)
             )
         return verdicts
+
+    async def _give_back(self, requests: Sequence[ClaimRequest], claims: Sequence[Claim]) -> None:
+        for request, claim in zip(requests, claims, strict=True):
+            verdict = verdict_of(claim)
+            if isinstance(verdict, Ours):
+                logger.info(
+                    "key %s was claimed for a caller that stopped waiting: given back", request.key
+                )
+                with contextlib.suppress(StoreError):
+                    await self.store.give_back(
+                        verdict.fence, attempt=verdict.attempts, handed_back=not verdict.taken_over
+                    )
 
     async def claim_one(self, terms: Terms, request: ClaimRequest) -> Verdict:
         """Claim one key in a statement of its own, claiming again while its row is not visible."""

@@ -125,3 +125,46 @@ async def test_idle_after_a_burst_then_new_work_is_flushed() -> None:
     await settle()
     flush.gates[1].set()
     assert await asyncio.wait_for(later, 1) == [20]
+
+
+async def test_a_caller_that_stops_waiting_gets_its_results_undone() -> None:
+    """The flush carrying a cancelled caller's items still runs: their results go to
+    `orphaned` (a claim given back), the other caller's to that caller, nothing twice."""
+    flushes = Flushes()
+    orphans: list[tuple[list[int], list[int]]] = []
+
+    async def orphaned(items: Sequence[int], results: Sequence[int]) -> None:
+        orphans.append((list(items), list(results)))
+
+    batcher: Batcher[int, int] = Batcher(flushes, orphaned=orphaned)
+    leaving = asyncio.create_task(batcher.submit_many([1, 2]))
+    staying = asyncio.create_task(batcher.submit_many([3]))
+    await settle()
+    assert flushes.calls == [[1, 2, 3]]  # both in the one flush
+    leaving.cancel()
+    await settle()
+    flushes.gates[0].set()
+    assert await staying == [30]
+    await settle()
+    assert leaving.cancelled()
+    assert orphans == [([1, 2], [10, 20])]
+
+
+async def test_a_caller_cancelled_before_its_flush_leaves_nothing_to_undo() -> None:
+    flushes = Flushes()
+    orphans: list[list[int]] = []
+
+    async def orphaned(items: Sequence[int], results: Sequence[int]) -> None:
+        orphans.append(list(items))
+
+    batcher: Batcher[int, int] = Batcher(flushes, orphaned=orphaned, in_flight=1)
+    first = asyncio.create_task(batcher.submit_many([1]))
+    await settle()
+    later = asyncio.create_task(batcher.submit_many([2]))
+    await settle()
+    later.cancel()  # still pending: never sent
+    await settle()
+    flushes.gates[0].set()
+    assert await first == [10]
+    await settle()
+    assert flushes.calls == [[1]] and orphans == []
