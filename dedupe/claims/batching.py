@@ -4,24 +4,17 @@ out together in the next one. No timers, so no added latency when idle.
 Two flushes are in flight by default, each on a connection of its own: an item that arrives while
 one statement runs goes out at once in the second instead of waiting for the first to end, and
 under load each statement carries what queued while the other ran. Results are placed by
-position within their own flush, so flushes never need to end in order.
-
-A caller that stops waiting (cancelled, timed out) does not stop a flush that already carries
-its items: their results go to `orphaned(items, results)`, if given, so that what the flush
-did for nobody can be undone (a claim given back)."""
+position within their own flush, so flushes never need to end in order."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-logger = logging.getLogger("dedupe.claims")
 
 
 class _Group(Generic[T, R]):
@@ -46,10 +39,8 @@ class Batcher(Generic[T, R]):
         *,
         max_batch: int = 500,
         in_flight: int = 2,
-        orphaned: Callable[[Sequence[T], Sequence[R]], Awaitable[None]] | None = None,
     ) -> None:
         self._flush = flush
-        self._orphaned = orphaned
         self._max_batch = max_batch
         self._in_flight = max(1, in_flight)
         self._pending: collections.deque[_Group[T, R]] = collections.deque()
@@ -64,10 +55,16 @@ class Batcher(Generic[T, R]):
 
     async def submit_many(self, items: Sequence[T]) -> list[R]:
         """Submit several items at once; they may share a flush with other callers'."""
+        return await self.submit(items)
+
+    def submit(self, items: Sequence[T]) -> asyncio.Future[list[R]]:
+        """submit_many's future: cancelled before its flush, its items are never sent; once
+        a flush carries them, it resolves whoever waits (asyncio.shield keeps it alive for a
+        caller that must undo what the flush did, dedupe.claims.verdicts.Claims)."""
         future: asyncio.Future[list[R]] = asyncio.get_running_loop().create_future()
         self._pending.append(_Group(items, future))
         self._wake()
-        return await future
+        return future
 
     _flushing = 0  # workers whose flush is in flight
 
@@ -118,18 +115,9 @@ class Batcher(Generic[T, R]):
                 if self._pending:
                     self._wake()  # the other may start while this one places its results
             at = 0
-            orphans: tuple[list[T], list[R]] = ([], [])
             for group, first, count in batch:
                 group.results[first : first + count] = results[at : at + count]
-                if group.future.done():  # its caller stopped waiting: nobody takes these
-                    orphans[0].extend(group.items[first : first + count])
-                    orphans[1].extend(results[at : at + count])
                 at += count
                 group.placed += count
                 if group.placed >= len(group.items) and not group.future.done():
                     group.future.set_result(group.results)  # type: ignore[arg-type]
-            if orphans[0] and self._orphaned is not None:
-                try:
-                    await self._orphaned(*orphans)
-                except Exception:
-                    logger.exception("undoing a flush's work for callers that left failed")

@@ -188,14 +188,19 @@ class Claims:
 
     Per name (a handler, a webhook source), whatever arrives while a claim statement is in
     flight goes out together in the next one (dedupe.claims.batching); a key present twice in
-    one flush goes in a later statement, where it meets the first one's claim. A key claimed
-    for a caller that stopped waiting (its timeout struck while the statement waited on a lock)
-    is given back at once, as that caller would have: its retry need not wait out the lease.
+    one flush goes in a later statement, where it meets the first one's claim.
+
+    A caller that stops waiting (its timeout struck while the statement waited on a lock) does
+    not stop the shared statement: the keys it claimed for that caller are given back as soon
+    as it returns, and a claim of one of those keys waits for that first, so a prompt retry is
+    not told "in flight" by a claim nobody holds.
     """
 
     def __init__(self, store: ClaimStore) -> None:
         self.store = store
         self._batchers: dict[tuple[str, Terms], Batcher[ClaimRequest, Claim]] = {}
+        self._leaving: dict[KeyId, asyncio.Event] = {}  # keys being given back (see above)
+        self._undoing: set[asyncio.Task[None]] = set()
 
     async def claim(
         self, name: str, terms: Terms, requests: Sequence[ClaimRequest]
@@ -209,9 +214,18 @@ class Claims:
             async def flush(batch: Sequence[ClaimRequest]) -> list[Claim]:
                 return await self._claim_distinct(terms, batch)
 
-            batcher = self._batchers[(name, terms)] = Batcher(flush, orphaned=self._give_back)
+            batcher = self._batchers[(name, terms)] = Batcher(flush)
+        if self._leaving:
+            for request in requests:
+                leaving = self._leaving.get(request.ident)
+                if leaving is not None:
+                    await leaving.wait()
+        submitted = batcher.submit(requests)
         try:
-            claims = await batcher.submit_many(requests)
+            claims = await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            self._give_back_when_claimed(requests, submitted)
+            raise
         except StoreError as exc:
             return [Unavailable(str(exc))] * len(requests)
         verdicts: list[Verdict] = []
@@ -222,17 +236,39 @@ class Claims:
             )
         return verdicts
 
-    async def _give_back(self, requests: Sequence[ClaimRequest], claims: Sequence[Claim]) -> None:
-        for request, claim in zip(requests, claims, strict=True):
-            verdict = verdict_of(claim)
-            if isinstance(verdict, Ours):
-                logger.info(
-                    "key %s was claimed for a caller that stopped waiting: given back", request.key
-                )
-                with contextlib.suppress(StoreError):
-                    await self.store.give_back(
-                        verdict.fence, attempt=verdict.attempts, handed_back=not verdict.taken_over
-                    )
+    def _give_back_when_claimed(
+        self, requests: Sequence[ClaimRequest], submitted: asyncio.Future[list[Claim]]
+    ) -> None:
+        for request in requests:
+            self._leaving.setdefault(request.ident, asyncio.Event())
+        task = asyncio.create_task(self._give_back(requests, submitted), name="dedupe-give-back")
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+
+    async def _give_back(
+        self, requests: Sequence[ClaimRequest], submitted: asyncio.Future[list[Claim]]
+    ) -> None:
+        """Give back what a statement claimed for a caller that left (its keys' runs never
+        started; their attempt counts stay as the claim left them), then let the keys' next
+        claims go."""
+        try:
+            try:
+                claims = await submitted
+            except Exception:  # a failed statement claimed nothing
+                return
+            for request, claim in zip(requests, claims, strict=True):
+                verdict = verdict_of(claim)
+                if isinstance(verdict, Ours):
+                    logger.info("key %s: claimed for a caller that left; given back", request.key)
+                    with contextlib.suppress(StoreError):
+                        await self.store.give_back(
+                            verdict.fence, handed_back=not verdict.taken_over
+                        )
+        finally:
+            for request in requests:
+                leaving = self._leaving.pop(request.ident, None)
+                if leaving is not None:
+                    leaving.set()
 
     async def claim_one(self, terms: Terms, request: ClaimRequest) -> Verdict:
         """Claim one key in a statement of its own, claiming again while its row is not visible."""
