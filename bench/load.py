@@ -39,7 +39,7 @@ def http_implementation() -> str:
     """uvicorn's HTTP protocol for every server of a bench: the receiver's, `dedupe-worker
     receive --http` (DEDUPE_RECEIVER_HTTP; h11 by default, which bounds a request's head).
     Runs before 2026-12-05 took uvicorn's default `http="auto"`, httptools when installed."""
-    return os.environ.get("DEDUPE_RECEIVER_HTTP", "h11")
+    return os.environ.get("DEDUPE_RECEIVER_HTTP") or "h11"
 
 
 async def read_response(reader: asyncio.StreamReader) -> int:

@@ -8,14 +8,12 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from starlette.responses import Response
 
 from dedupe.asgi.problems import in_flight, unavailable
 from dedupe.claims import conflict_records, conflicts
-from dedupe.claims.batching import Batcher
 from dedupe.claims.fingerprints import claim_request
 from dedupe.claims.records import ClaimRequest, Fence
 from dedupe.claims.store import ClaimStore
@@ -53,16 +51,14 @@ def log_fields(source: WebhookSource, identity: Identity | None, outcome: str) -
     return fields
 
 
-Completion = tuple[Fence, str, float]  # (fence, the reply to replay, retention_s)
-
-
 @dataclass(frozen=True, slots=True)
 class Intake:
     """The receiver's open store and publisher, taking one request from claim to reply.
 
-    Concurrent requests share statements, as a worker's deliveries do: their claims go out
-    together per source (dedupe.claims.verdicts.Claims), and so do their stored replies
-    (dedupe.claims.batching), each flush one statement and one commit.
+    Concurrent requests' claims share statements per source, as a worker's deliveries do
+    (dedupe.claims.verdicts.Claims). Each reply is stored in a statement of its own: a shared
+    one would make every request wait for the slowest reply of its flush (one whose row is
+    locked), and a reply not stored in time leaves its key to be published again.
     """
 
     store: ClaimStore
@@ -73,15 +69,9 @@ class Intake:
     publish_timeout_s: float
     store_timeout_s: float
     claims: Claims = field(init=False)
-    completions: Batcher[Completion, bool] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "claims", Claims(self.store))
-        object.__setattr__(self, "completions", Batcher(self._complete))
-
-    async def _complete(self, items: Sequence[Completion]) -> list[bool]:
-        done = await self.store.complete(items)
-        return [fence.ident in done for fence, _, _ in items]
 
     async def claim(
         self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
@@ -113,8 +103,8 @@ class Intake:
                     source.name, Terms(source.lease_s, source.retention_s), [request]
                 )
         except Exception as exc:
-            # Our timeout, or whatever else the driver raised: an outage of ours. A claim that
-            # committed just as the timeout struck lapses with its lease.
+            # Our timeout, or whatever else the driver raised: an outage of ours. A shared
+            # statement that goes on claims for us all the same; Claims gives that key back.
             verdict = Unavailable(f"{exc.__class__.__name__}: {exc}")
         if isinstance(verdict, Unavailable):
             self.stats["store_unavailable"] += 1
@@ -280,7 +270,7 @@ class Intake:
         """Complete the claim with the reply to replay; a failure is logged, not answered."""
         try:
             async with asyncio.timeout(self.store_timeout_s):
-                await self.completions.submit_many([(fence, reply.to_result(), source.retention_s)])
+                await self.store.complete([(fence, reply.to_result(), source.retention_s)])
         except Exception as exc:
             # The message is on the broker: accepted is the truth. A retry after the lease
             # publishes it again under the same message id, and the worker dedupes that.

@@ -66,6 +66,18 @@ class Batcher(Generic[T, R]):
         self._wake()
         return future
 
+    def withdraw(self, future: asyncio.Future[list[R]]) -> bool:
+        """Take back a submission no flush has taken any item of (True: cancelled, nothing
+        of it sent); False when a flush carries it already (its future will resolve)."""
+        for group in self._pending:
+            if group.future is future:
+                if group.taken:
+                    return False
+                self._pending.remove(group)
+                future.cancel()
+                return True
+        return future.cancelled()
+
     _flushing = 0  # workers whose flush is in flight
 
     def _wake(self) -> None:
@@ -110,6 +122,10 @@ class Batcher(Generic[T, R]):
                     if not group.future.done():
                         group.future.set_exception(exc)
                 continue
+            except BaseException:  # this worker is cancelled (the loop ends): nobody resolves
+                for group, _, _ in batch:
+                    group.future.cancel()
+                raise
             finally:
                 self._flushing -= 1
                 if self._pending:

@@ -199,7 +199,8 @@ class Claims:
     def __init__(self, store: ClaimStore) -> None:
         self.store = store
         self._batchers: dict[tuple[str, Terms], Batcher[ClaimRequest, Claim]] = {}
-        self._leaving: dict[KeyId, asyncio.Event] = {}  # keys being given back (see above)
+        # Keys being given back (see above): one event per caller that left with the key.
+        self._leaving: dict[KeyId, list[asyncio.Event]] = {}
         self._undoing: set[asyncio.Task[None]] = set()
 
     async def claim(
@@ -217,14 +218,14 @@ class Claims:
             batcher = self._batchers[(name, terms)] = Batcher(flush)
         if self._leaving:
             for request in requests:
-                leaving = self._leaving.get(request.ident)
-                if leaving is not None:
+                for leaving in list(self._leaving.get(request.ident, ())):
                     await leaving.wait()
         submitted = batcher.submit(requests)
         try:
             claims = await asyncio.shield(submitted)
         except asyncio.CancelledError:
-            self._give_back_when_claimed(requests, submitted)
+            if not batcher.withdraw(submitted):  # a statement carries it: undo what it does
+                self._give_back_when_claimed(requests, submitted)
             raise
         except StoreError as exc:
             return [Unavailable(str(exc))] * len(requests)
@@ -239,36 +240,57 @@ class Claims:
     def _give_back_when_claimed(
         self, requests: Sequence[ClaimRequest], submitted: asyncio.Future[list[Claim]]
     ) -> None:
+        gates = []
         for request in requests:
-            self._leaving.setdefault(request.ident, asyncio.Event())
-        task = asyncio.create_task(self._give_back(requests, submitted), name="dedupe-give-back")
+            gate = asyncio.Event()
+            self._leaving.setdefault(request.ident, []).append(gate)
+            gates.append(gate)
+        task = asyncio.create_task(
+            self._give_back(requests, submitted, gates), name="dedupe-give-back"
+        )
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
 
     async def _give_back(
-        self, requests: Sequence[ClaimRequest], submitted: asyncio.Future[list[Claim]]
+        self,
+        requests: Sequence[ClaimRequest],
+        submitted: asyncio.Future[list[Claim]],
+        gates: Sequence[asyncio.Event],
     ) -> None:
-        """Give back what a statement claimed for a caller that left (its keys' runs never
-        started; their attempt counts stay as the claim left them), then let the keys' next
-        claims go."""
+        """Give back each key a statement claimed for a caller that left (its run never
+        started: an attempt the claim counted is taken back, as Leases.give_back does), and
+        let that key's next claims go."""
         try:
             try:
                 claims = await submitted
-            except Exception:  # a failed statement claimed nothing
+            except Exception:  # the statement failed: nothing to give back
                 return
-            for request, claim in zip(requests, claims, strict=True):
+            for request, claim, gate in zip(requests, claims, gates, strict=True):
                 verdict = verdict_of(claim)
                 if isinstance(verdict, Ours):
                     logger.info("key %s: claimed for a caller that left; given back", request.key)
+                    counted = not (verdict.taken_over or verdict.handed_back)
                     with contextlib.suppress(StoreError):
                         await self.store.give_back(
-                            verdict.fence, handed_back=not verdict.taken_over
+                            verdict.fence,
+                            attempt=verdict.attempts if counted else None,
+                            handed_back=not verdict.taken_over,
                         )
+                self._open(request.ident, gate)
         finally:
-            for request in requests:
-                leaving = self._leaving.pop(request.ident, None)
-                if leaving is not None:
-                    leaving.set()
+            for request, gate in zip(requests, gates, strict=True):
+                self._open(request.ident, gate)
+
+    def _open(self, ident: KeyId, gate: asyncio.Event) -> None:
+        if gate.is_set():
+            return
+        gate.set()
+        gates = self._leaving.get(ident)
+        if gates is not None:
+            with contextlib.suppress(ValueError):
+                gates.remove(gate)
+            if not gates:
+                del self._leaving[ident]
 
     async def claim_one(self, terms: Terms, request: ClaimRequest) -> Verdict:
         """Claim one key in a statement of its own, claiming again while its row is not visible."""

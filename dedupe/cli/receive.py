@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 
 from dedupe.claims.database import connect_pool
 from dedupe.claims.store import ClaimStore
-from dedupe.cli.options import load_app, make_publisher
+from dedupe.cli.options import UsageError, load_app, make_publisher
 from dedupe.cli.serving import serve_until_stopped
 from dedupe.errors import ConfigurationError
 from dedupe.plugins import Serving, server
@@ -17,6 +18,8 @@ from dedupe.worker import check_migrated, retrying
 
 async def cmd_receive(args: argparse.Namespace, settings: Settings) -> int:
     serve = server("receiver")  # a missing extra stops us before anything connects
+    if args.http == "httptools" and importlib.util.find_spec("httptools") is None:
+        raise UsageError("--http httptools: httptools is not installed; pip install httptools")
     app = load_app(args.app, need="webhooks")
     for source in app.webhooks.values():
         try:

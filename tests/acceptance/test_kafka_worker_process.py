@@ -3,6 +3,7 @@ the offset commit, and a graceful stop that commits what it finished."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import subprocess
@@ -45,6 +46,7 @@ def spawn(spawner: Spawner, group_url: str) -> Callable[..., subprocess.Popen[by
 
 async def test_kill_9_mid_batch_and_restart_loses_nothing_and_runs_each_key_once(
     spawn: Callable[..., subprocess.Popen[bytes]],
+    spawner: Spawner,
     group_url: str,
     channel: str,
     effects: asyncpg.Connection,
@@ -52,15 +54,18 @@ async def test_kill_9_mid_batch_and_restart_loses_nothing_and_runs_each_key_once
     """Two workers in one group, one SIGKILLed mid-stream (with claims in flight) and
     restarted: each key's effect once, and the group's committed offsets reach the end.
 
-    The victim starts first and is busy before its peer starts, and both take batches of 32:
-    the group rebalances at once (group.initial.rebalance.delay.ms=0) and a member gives up a
-    partition only once the batches it holds are done, so with the default window of 256 the
-    first member to join held the whole stream and the other saw only duplicates (CI of
-    b191c54: the victim joined second and never held a claim)."""
+    The victim starts alone on the first half of the stream; the second half is published once
+    its peer has partitions, so the victim still has work then, however long the join took.
+    Both take batches of 32: the group rebalances at once (group.initial.rebalance.delay.ms=0)
+    and a member gives up a partition only once the batches it holds are done, so with the
+    default window (64 at the spawner's concurrency of 8, four batches held per partition) the
+    first member to join held the whole stream and the other saw only duplicates (CI of b191c54:
+    the victim joined second and never held a claim)."""
     unique = 800
     messages = [(payload(i, sleep_s=0.05), {}, f"k{i}") for i in range(unique)]
     messages += messages[: unique // 3]  # a third published twice
-    await kafka.publish(group_url, channel, messages)
+    first, second = messages[: len(messages) // 2], messages[len(messages) // 2 :]
+    await kafka.publish(group_url, channel, first)
     in_flight = "SELECT count(*) FROM dedupe_claims WHERE status = 'in_progress' AND owner = $1"
     ran = "SELECT count(*) FROM dedupe_claims WHERE status = 'completed' AND owner = $1"
     window = ("--prefetch", "32")
@@ -73,6 +78,13 @@ async def test_kill_9_mid_batch_and_restart_loses_nothing_and_runs_each_key_once
     await eventually(lambda: holds(victim_name))
     peer = spawn(*window, lease_s=1.0)
     peer_name = f"{socket.gethostname()}:{peer.pid}"
+    peer_log = spawner.logs / f"worker-{len(spawner.procs) - 1}.log"
+
+    async def peer_assigned() -> bool:
+        return f"assigned {channel}[" in await asyncio.to_thread(peer_log.read_text)
+
+    await eventually(peer_assigned, timeout_s=60)
+    await kafka.publish(group_url, channel, second)
 
     async def victim_busy() -> bool:
         # Both in the group (the peer has completed keys), the victim with claims in flight.

@@ -125,3 +125,30 @@ async def test_idle_after_a_burst_then_new_work_is_flushed() -> None:
     await settle()
     flush.gates[1].set()
     assert await asyncio.wait_for(later, 1) == [20]
+
+
+async def test_a_submission_no_flush_took_can_be_withdrawn_and_one_in_flight_cannot() -> None:
+    flushes = Flushes()
+    batcher: Batcher[int, int] = Batcher(flushes, in_flight=1)
+    carried = batcher.submit([1])
+    await settle()
+    queued = batcher.submit([2])
+    assert batcher.withdraw(queued) and queued.cancelled()
+    assert not batcher.withdraw(carried)
+    flushes.gates[0].set()
+    assert await carried == [10]
+    await settle()
+    assert flushes.calls == [[1]]
+
+
+async def test_a_cancelled_flush_cancels_its_callers_futures() -> None:
+    """The loop ends under a flush: its callers' futures are cancelled, not left pending
+    (a caller's give-back waiting on one would never end)."""
+    flushes = Flushes()
+    batcher: Batcher[int, int] = Batcher(flushes)
+    future = batcher.submit([1])
+    await settle()
+    for task in list(batcher._tasks):
+        task.cancel()
+    await settle()
+    assert future.cancelled()
