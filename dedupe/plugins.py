@@ -110,7 +110,7 @@ class Serving:
     app: App | None = None
     publisher: Publisher | None = None  # opened and closed by the server
     store_timeout_s: float = 3.0
-    http: str = "h11"  # uvicorn's HTTP/1.1 protocol (dedupe_receiver.servers.HTTP_PROTOCOLS)
+    http: str = "h11"  # uvicorn's HTTP/1.1 protocol: h11 or httptools (`receive --http`)
     serve_status: bool = True
     serve_metrics: bool = True
 

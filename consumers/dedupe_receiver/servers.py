@@ -33,11 +33,9 @@ from dedupe_receiver.status_page import StatusPage
 
 logger = logging.getLogger(__name__)
 
-# uvicorn's HTTP/1.1 protocols. h11 (the default) bounds a request's head: it stops buffering
-# an unfinished head past 16 KiB (h11_max_incomplete_event_size) and answers 400. httptools
-# parses faster but keeps whatever head a client sends (a 32 MiB header line is read in full
-# and handed on), so it is for a receiver behind a proxy that bounds heads itself.
-HTTP_PROTOCOLS = ("h11", "httptools")
+# uvicorn's HTTP/1.1 protocol (`receive --http`): h11, the default, bounds a request's head (an
+# unfinished head past 16 KiB gets 400); httptools parses faster but keeps whatever head a client
+# sends (a 32 MiB header line is read in full), for a receiver behind a proxy that bounds heads.
 
 
 class _QuietServer(uvicorn.Server):
@@ -134,7 +132,7 @@ async def serve_status(serving: Serving) -> bool:
         asgi,
         host=settings.status_host,
         port=settings.status_port,
-        http="h11",  # a bounded request head (HTTP_PROTOCOLS)
+        http="h11",  # a bounded request head (see above)
         log_config=None,
         access_log=False,
         server_header=False,

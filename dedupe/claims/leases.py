@@ -107,7 +107,7 @@ class Leases(HeldLeases[Lease]):
             fence=ours.fence,
             lease_s=lease_s,
             attempt=ours.attempts,
-            counted=not (ours.taken_over or ours.handed_back),
+            counted=ours.counted,
             taken_over=ours.taken_over,
         )
         self._held[lease.ident] = lease

@@ -51,6 +51,12 @@ class Ours:
     taken_over: bool  # from a worker whose lease lapsed: a crash is in its history
     handed_back: bool  # from a worker that gave it back at a graceful stop
 
+    @property
+    def counted(self) -> bool:
+        """Whether the claim counted this run's attempt (a new or released key); a taken-over
+        or handed-back key's attempt is counted just before its run starts."""
+        return not (self.taken_over or self.handed_back)
+
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see dedupe/claims/records.py
 class Duplicate:
@@ -269,11 +275,10 @@ class Claims:
                 verdict = verdict_of(claim)
                 if isinstance(verdict, Ours):
                     logger.info("key %s: claimed for a caller that left; given back", request.key)
-                    counted = not (verdict.taken_over or verdict.handed_back)
                     with contextlib.suppress(StoreError):
                         await self.store.give_back(
                             verdict.fence,
-                            attempt=verdict.attempts if counted else None,
+                            attempt=verdict.attempts if verdict.counted else None,
                             handed_back=not verdict.taken_over,
                         )
                 self._open(request.ident, gate)
