@@ -16,8 +16,9 @@ maximum (requests due at a fixed rate, latency counted from when each was due). 
 measures the machine's durable commit first. Printed: requests/s, p50/p90/p99 and the server's
 CPU per request of every phase, and issue 28's ratios with verdicts: new keys >= 0.8x the
 hand-written rate, replays >= 2x, p99 at half load minus the hand-written one's at its half
-load <= 2 x the commit p99 + 5 ms. The database and the queues are removed at the end. Every
-phase is bounded by its count and --time-limit-s. Not part of the test suite.
+load <= 2 x the commit p99 + 5 ms (no verdict when the hand-written server's p99 at half load
+exceeds its own at full speed: the machine was busy). The database and the queues are removed
+at the end. Every phase is bounded by its count and --time-limit-s. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -98,6 +99,32 @@ def held(r: dict[str, Any], target: float) -> bool:
     """The paced phase ran all its requests at (nearly) its rate, every one answered 2xx."""
     answered = sum(n for status, n in r["statuses"].items() if 200 <= status < 300)
     return bool(r["requests"] == r["planned"] == answered and r["rate"] >= HELD * target)
+
+
+def latency_verdict(
+    plain: dict[str, Any],
+    plain_half: dict[str, Any],
+    new_half: dict[str, Any],
+    bound: float | None,
+) -> tuple[bool | None, str]:
+    """The p99 verdict at half load and, when there is none, why: no bound (no commit p99), a
+    paced phase that fell short of its rate or got non-2xx, or a disturbed baseline. At half
+    of its maximum, open loop, the hand-written server queues less than at full speed with
+    every connection busy; a paced p99 above its full-speed one means something else took the
+    machine meanwhile, and a difference against it would flatter the receiver."""
+    if not (
+        held(plain_half, plain_half["target_rate"]) and held(new_half, new_half["target_rate"])
+    ):
+        return None, "a paced phase fell short of its rate or got non-2xx"
+    if plain_half["p99_ms"] > plain["p99_ms"]:
+        return None, (
+            f"the hand-written server's p99 at half load ({plain_half['p99_ms']:.2f} ms) "
+            f"exceeds its p99 at full speed ({plain['p99_ms']:.2f} ms): the machine was busy, "
+            "run again"
+        )
+    if bound is None:
+        return None, "no commit p99 (--commit-n 0)"
+    return new_half["p99_ms"] - plain_half["p99_ms"] <= bound, ""
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,13 +230,15 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
     p99_added = new_half["p99_ms"] - plain_half["p99_ms"]
     commit_p99 = figures.get("commit", {}).get("p99_ms")
     bound = None if commit_p99 is None else 2 * commit_p99 + 5
-    p99_ok = None if bound is None or not both_held else p99_added <= bound
+    p99_ok, why_not = latency_verdict(plain, plain_half, new_half, bound)
     figures["ratios"] = {
         "new_keys_vs_hand_written": new_ratio,
         "replays_vs_hand_written": replay_ratio,
         "p99_added_at_half_load_ms": p99_added,
         "p99_bound_ms": bound,
         "paced_rates_held": both_held,
+        "p99_verdict": verdict(p99_ok, p99_added),
+        "p99_not_measured_because": why_not,
     }
     print(f"\nissue 28, the receiver against the hand-written one ({c} connections, n={n}):")
     print(
@@ -220,12 +249,12 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
         f"  replays / hand-written:  {replay_ratio:.2f}x (target >= {REPLAYS_TARGET}x): "
         f"{verdict(replay_ratio >= REPLAYS_TARGET, replay_ratio)}"
     )
-    bound_text = "no commit p99 (--commit-n 0)" if bound is None else f"<= {bound:.2f} ms"
-    held_text = "" if both_held else " (a paced phase fell short of its rate or got non-2xx)"
+    bound_text = "no commit p99" if bound is None else f"<= {bound:.2f} ms"
     print(
         f"  p99 at half load, receiver minus hand-written: {new_half['p99_ms']:.2f} - "
         f"{plain_half['p99_ms']:.2f} = {p99_added:+.2f} ms (target {bound_text}, 2 x commit "
-        f"p99 {commit_p99} ms + 5 ms): {verdict(p99_ok, p99_added)}{held_text}"
+        f"p99 {commit_p99} ms + 5 ms): {verdict(p99_ok, p99_added)}"
+        + (f" ({why_not})" if why_not else "")
     )
 
 
