@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,6 +60,7 @@ class Database:
         self._conn: asyncpg.Connection | None = None
         self._tx: Any = None
         self._closed = False
+        self._savepoints = 0  # how deep ctx.db.transaction() blocks are nested now
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -102,6 +104,31 @@ class Database:
     async def fetchval(self, query: str, *args: Any, timeout: float | None = None) -> Any:
         conn = await self.connection()
         return await conn.fetchval(query, *args, timeout=timeout)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        """`async with ctx.db.transaction():` a savepoint in the run's transaction. If the
+        block raises, what it wrote is rolled back and the exception goes on (the run's other
+        writes stay, and a statement PostgreSQL refused inside it no longer aborts the run's
+        transaction); if it ends, its writes stay, to commit with the outcome. Nests. The run's
+        transaction itself is never committed or rolled back here."""
+        conn = await self.connection()
+        self._savepoints += 1
+        name = f"dedupe_block_{self._savepoints}"
+        try:
+            await conn.execute(f"SAVEPOINT {name}")
+            try:
+                yield
+            except BaseException:
+                await asyncio.shield(conn.execute(f"ROLLBACK TO SAVEPOINT {name}"))
+                self._rolled_back_to_savepoint()
+                raise
+            await conn.execute(f"RELEASE SAVEPOINT {name}")
+        finally:
+            self._savepoints -= 1
+
+    def _rolled_back_to_savepoint(self) -> None:
+        """The run's transaction is whole again after a block that failed."""
 
     async def commit(self) -> None:
         if self._tx is not None:

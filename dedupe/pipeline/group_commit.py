@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ class LaneDatabase(Database):
         # transaction up to the savepoint: a handler that caught the error and went on cannot
         # complete in this group.
         self.tainted = False
+        self._tainted_before: list[bool] = []  # at the start of each open transaction() block
 
     async def execute(self, query: str, *args: Any, timeout: float | None = None) -> str:
         return await self._watched(super().execute(query, *args, timeout=timeout))
@@ -68,6 +69,22 @@ class LaneDatabase(Database):
 
     async def fetchval(self, query: str, *args: Any, timeout: float | None = None) -> Any:
         return await self._watched(super().fetchval(query, *args, timeout=timeout))
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        self._tainted_before.append(self.tainted)
+        try:
+            async with super().transaction():
+                yield
+        finally:
+            self._tainted_before.pop()
+
+    def _rolled_back_to_savepoint(self) -> None:
+        # A ctx.db.transaction() block that failed was rolled back to its savepoint: what a
+        # refused statement inside it aborted is whole again, the member is as suspect as it
+        # was when the block began (if a statement through ctx.db.connection() aborted the
+        # transaction after all, the member's RELEASE finds out).
+        self.tainted = self._tainted_before[-1]
 
     async def _watched(self, statement: Awaitable[T]) -> T:
         """Await a ctx.db statement; one that does not return leaves the group's transaction
@@ -301,7 +318,7 @@ class Lane:
 
 TAINTED = (
     "a ctx.db statement failed (or was cut off) and the handler went on: its transaction is "
-    "aborted (use a savepoint of your own around statements that may fail)"
+    "aborted (put statements that may fail in `async with ctx.db.transaction():`, a savepoint)"
 )
 
 
