@@ -9,7 +9,9 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
+from aiormq.exceptions import DeliveryError
 
+from dedupe.errors import DedupeError
 from dedupe.operations.replay import Release, ReplayPolicy, describe
 from dedupe.transport import DEFERRALS_HEADER, dlq_name
 from dedupe_rabbitmq.connection import connect
@@ -48,11 +50,13 @@ async def replay_dead_letters(
 
     What goes back, and which failed claim `release(scope, key)` frees before the copy is
     published, is dedupe.operations.replay's policy; a dead letter it skips stays in <channel>.dlq.
+    Copies go out `mandatory`: one RabbitMQ cannot route (the queue was deleted meanwhile)
+    comes back, its dead letter stays, and the replay stops with an error saying so.
     """
     moved: list[dict[str, Any]] = []
     connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
-        amqp = await connection.channel(publisher_confirms=True)
+        amqp = await connection.channel(publisher_confirms=True, on_return_raises=True)
         await declare_channel(amqp, channel, options=BrokerUrl.parse(url).options)
         dlq = await amqp.get_queue(dlq_name(channel))
         for _ in range(limit):
@@ -69,25 +73,44 @@ async def replay_dead_letters(
                     step.skipped,
                 )
                 continue
-            moved.append(step.row)
 
             async def republish(
                 headers: dict[str, Any], incoming: AbstractIncomingMessage = incoming
             ) -> None:
-                await amqp.default_exchange.publish(copy_of(incoming, headers=headers), channel)
+                await amqp.default_exchange.publish(
+                    copy_of(incoming, headers=headers), channel, mandatory=True
+                )
 
-            await step.carry_out(release=release, republish=republish)
+            try:
+                await step.carry_out(release=release, republish=republish)
+            except DeliveryError as exc:
+                # Returned unrouted (or nacked): the dead letter is not acked, so closing the
+                # channel puts it back in the queue.
+                raise DedupeError(
+                    f"RabbitMQ did not take the copy of {incoming.message_id} for queue "
+                    f"{channel!r} ({_refusal(exc)}; was the queue deleted meanwhile?): it stays "
+                    f"in {dlq_name(channel)}; {len(moved)} dead letter(s) were replayed before "
+                    "it. Run the replay again once the queue exists."
+                ) from exc
+            moved.append(step.row)
             await incoming.ack()
     return moved
+
+
+def _refusal(exc: DeliveryError) -> str:
+    """What the broker said: the basic.return's reply text, or that it nacked."""
+    returned = getattr(exc.frame, "reply_text", None)
+    return f"returned: {returned}" if returned else "not confirmed"
 
 
 async def publish(
     url: str, channel: str, messages: Sequence[tuple[bytes, dict[str, Any], str | None]]
 ) -> int:
-    """Publish (body, headers, message_id) triples with confirms; declares the channel first."""
+    """Publish (body, headers, message_id) triples with confirms, `mandatory` (one RabbitMQ
+    cannot route raises aiormq's DeliveryError); declares the channel first."""
     connection = await connect(url, aio_pika.connect, timeout_s=CONNECT_TIMEOUT_S)
     async with connection:
-        amqp = await connection.channel(publisher_confirms=True)
+        amqp = await connection.channel(publisher_confirms=True, on_return_raises=True)
         await declare_channel(amqp, channel, options=BrokerUrl.parse(url).options)
         pending = [
             amqp.default_exchange.publish(
@@ -99,6 +122,7 @@ async def publish(
                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                 ),
                 routing_key=channel,
+                mandatory=True,
             )
             for body, headers, message_id in messages
         ]

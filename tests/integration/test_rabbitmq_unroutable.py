@@ -240,3 +240,28 @@ async def test_a_reply_to_a_missing_reply_queue_is_logged_and_the_request_still_
     assert runs == [7]
     assert await queued(amqp_url, channel) == 0
     assert await queued(amqp_url, gone) == 0
+
+
+async def test_a_replayed_dead_letter_whose_queue_is_gone_stays_in_the_dlq(
+    amqp_url: str, channel: str
+) -> None:
+    """`dlq replay` publishes its copies `mandatory`: a copy RabbitMQ cannot route (the work
+    queue was deleted while the replay ran) comes back, the replay stops with an error that
+    says so, and the dead letter is still in <channel>.dlq, not acked into nothing."""
+    from dedupe.errors import DedupeError
+    from dedupe_rabbitmq.admin import peek_dead_letters, replay_dead_letters
+
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        amqp = await connection.channel()
+        await declare_channel(amqp, channel)
+    headers = {"x-dedupe-reason": "rejected", "x-dedupe-scope": "t.work", "x-dedupe-key": "k1"}
+    await send(amqp_url, dlq_name(channel), (body(1), "k1", headers))
+
+    async def release(scope: str, key: str) -> None:
+        await delete_queues(amqp_url, channel)  # what an operator does meanwhile
+
+    with pytest.raises(DedupeError, match=r"stays in .*dlq"):
+        await replay_dead_letters(amqp_url, channel, limit=10, release=release)
+    [left] = await peek_dead_letters(amqp_url, channel, limit=10)
+    assert left["message_id"] == "k1"
