@@ -6,6 +6,7 @@ import os
 import socket
 from typing import Any
 
+import pydantic
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -107,3 +108,11 @@ class Settings(BaseSettings):
         deliveries unacknowledged, so the window must cover several batches' worth of work
         in flight for the rate not to be bound by it (BENCHMARKS.md, "The prefetch")."""
         return self.prefetch or min(self.concurrency * 8, PREFETCH_MAX)
+
+
+def invalid_settings(exc: pydantic.ValidationError) -> str:
+    """What pydantic refused, one `field: why` per problem, for an error message."""
+    problems = "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
+    )
+    return f"invalid configuration: {problems}"

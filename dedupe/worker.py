@@ -25,18 +25,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import asyncpg
+import pydantic
 
 from dedupe.app import App
 from dedupe.claims.database import check_schema, connect_pool, redact
 from dedupe.claims.store import ClaimStore
-from dedupe.errors import DedupeError, unknown_option
+from dedupe.errors import DedupeError, InvalidOption, unknown_option
 from dedupe.observability import tracing
 from dedupe.observability.activity import Activity
 from dedupe.pipeline.observers import Observer
 from dedupe.pipeline.processor import Processor
 from dedupe.pipeline.stats import Stats
 from dedupe.plugins import transport_plugin
-from dedupe.settings import Settings
+from dedupe.settings import Settings, invalid_settings
 from dedupe.transport import Publisher, Transport
 
 logger = logging.getLogger("dedupe.worker")
@@ -127,12 +128,15 @@ class Worker:
             if option not in Settings.model_fields:
                 valid = [*Settings.model_fields, "settings", "observers", "transport", "publisher"]
                 raise unknown_option("Worker", option, valid)
-        if settings is None:
-            self.settings = Settings(**options)  # the DEDUPE_* variables, then these
-        else:
-            self.settings = (
-                Settings(**{**settings.model_dump(), **options}) if options else settings
-            )
+        try:
+            if settings is None:
+                self.settings = Settings(**options)  # the DEDUPE_* variables, then these
+            else:
+                self.settings = (
+                    Settings(**{**settings.model_dump(), **options}) if options else settings
+                )
+        except pydantic.ValidationError as exc:  # one root: DedupeError (and still ValueError)
+            raise InvalidOption(f"Worker: {invalid_settings(exc)}") from exc
         self.app = app
         self._observers = list(observers)
         self._transport = transport

@@ -22,7 +22,7 @@ import pydantic
 from dedupe.app import App
 from dedupe.errors import ConfigurationError, DedupeError
 from dedupe.plugins import transport_plugin
-from dedupe.settings import Settings
+from dedupe.settings import Settings, invalid_settings
 from dedupe.transport import Publisher, Transport
 
 logger = logging.getLogger("dedupe.cli")
@@ -231,10 +231,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     try:
         return Settings(**overrides)
     except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()
-        )
-        raise UsageError(f"invalid configuration: {problems}") from exc
+        raise UsageError(invalid_settings(exc)) from exc
 
 
 def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -30,6 +30,20 @@ def test_a_worker_refuses_an_unknown_option_and_names_the_closest() -> None:
     assert Worker(app, concurrency=4).settings.concurrency == 4
 
 
+def test_a_worker_refuses_a_bad_value_with_the_one_root_error() -> None:
+    """A value the settings refuse is a DedupeError (InvalidOption, a ValueError too) that
+    names the field, not pydantic's own error."""
+    from dedupe import DedupeError
+
+    app = App("values")
+    with pytest.raises(DedupeError, match="concurrency: Input should be greater than or equal"):
+        Worker(app, concurrency=0)
+    with pytest.raises(InvalidOption, match=r"broker_url: .*no transport is installed for nope://"):
+        Worker(app, broker_url="nope://x")
+    with pytest.raises(ValueError, match="concurrency"):
+        Worker(app, settings=Settings(), concurrency=-1)
+
+
 def test_settings_refuse_an_unknown_keyword_but_not_an_unknown_variable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
