@@ -124,6 +124,13 @@ class KafkaDelivery:
     def offset(self) -> int:
         return int(self.record.offset)
 
+    @property
+    def withdrawn(self) -> bool:
+        """Its partition was revoked (or the worker stops): a claim of it whose handler has not
+        started is given back and requeued, i.e. left uncommitted for the next owner
+        (dedupe.transport.Delivery)."""
+        return self.partition.closing
+
     async def settle(self, settlement: Settlement) -> bool:
         self.settled = True
         try:
