@@ -156,7 +156,14 @@ def dead_letter_headers(settlement: Settlement) -> dict[str, str]:
 
 
 class Delivery(Protocol):
-    """A message plus the means to settle it with the broker."""
+    """A message plus the means to settle it with the broker.
+
+    A delivery may also say that the transport took it back: a `withdrawn` attribute that
+    turns true (a Kafka partition revoked in a rebalance) once the worker should run nothing
+    more of it. Optional (`withdrawn(delivery)` reads it; without it, never): a claimed
+    delivery that is withdrawn before its handler starts is given back and requeued, as at a
+    stop, rather than run; a run under way is not interrupted.
+    """
 
     @property
     def message(self) -> Message: ...
@@ -164,6 +171,12 @@ class Delivery(Protocol):
     async def settle(self, settlement: Settlement) -> bool:
         """Carry out the settlement; True once the broker has it (a dead letter confirmed)."""
         ...
+
+
+def withdrawn(delivery: Delivery) -> bool:
+    """Whether the transport took the delivery back (its optional `withdrawn` attribute): its
+    claim is given back rather than run."""
+    return bool(getattr(delivery, "withdrawn", False))
 
 
 Process = Callable[[str, Sequence[Delivery]], Coroutine[Any, Any, None]]
@@ -211,4 +224,5 @@ __all__ = [
     "dead_letter_headers",
     "delay_bucket",
     "dlq_name",
+    "withdrawn",
 ]

@@ -13,7 +13,8 @@ whose settling failed. A partition of a retry topic runs its records as messages
 channel, one fetched batch at a time, each record once it is due (the partition is paused while
 the batch waits). The commit position is the first offset without a final
 outcome, so an offset is never committed past an unfinished message. A revoked partition starts
-no next wave: what it has not run is left, uncommitted, to the next owner.
+no next wave, and its deliveries say they are withdrawn (the core gives back the claims whose
+handlers have not started): what it has not run is left, uncommitted, to the next owner.
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ class KafkaDelivery:
     def offset(self) -> int:
         return int(self.record.offset)
 
+    @property
+    def withdrawn(self) -> bool:
+        """Its partition was revoked (or the worker stops): a claim of it whose handler has not
+        started is given back and requeued, i.e. left uncommitted for the next owner
+        (dedupe.transport.Delivery)."""
+        return self.partition.closing
+
     async def settle(self, settlement: Settlement) -> bool:
         self.settled = True
         try:
@@ -214,7 +222,7 @@ class PartitionWork:
         self.committed: int | None = None
         self.replayed_to: int | None = None  # offsets before it came in the first batch
         self.held: dict[object, collections.deque[KafkaDelivery]] = {}
-        self.closing = False  # revoked or stopping: start nothing new
+        self.closing = False  # revoked or stopping: start nothing new (deliveries withdrawn)
         # A retry topic's partition runs one batch at a time: paused while it waits to be due.
         self._depth = 1 if retry is not None else max(1, batches_in_flight)
         self._waiting = False  # its batch waits for a record to be due

@@ -21,9 +21,11 @@ to the retry topics `C.retry.5s`, `C.retry.30s`, `C.retry.2m`, `C.retry.10m` and
 - Per partition, the committed offset is the first message without a final outcome (acked, or
   dead-lettered and acknowledged by the broker): never past an unfinished one. Commits go out
   every `commit_interval_s` for all partitions in one request, and on revocation and shutdown.
-- On revocation no new work starts (not even the next wave of a batch); in-flight work gets
-  `revoke_timeout_s` to finish, then what is done is committed and the rest is left to the next
-  owner (the claims make its re-run a duplicate or a deferral, never a second effect).
+- On revocation no new work starts (not even the next wave of a batch, nor a claimed run whose
+  handler has not started: its delivery is withdrawn, its claim given back and its offset left
+  uncommitted); the runs under way get `revoke_timeout_s` to finish, then what is done is
+  committed and the rest is left to the next owner (the claims make its re-run a duplicate or a
+  deferral, never a second effect; a given-back key it claims at once).
 - A record with a `reply-to` header (and a `correlation-id`) gets its stored outcome written to
   that topic before its offset counts as done; a reply the broker did not take holds the
   record to be answered again later (dedupe_kafka.replies).
@@ -241,7 +243,8 @@ class KafkaTransport(Transport):
         )
 
     async def revoke(self, revoked: set[TopicPartition]) -> None:
-        """Stop starting work on revoked partitions, let theirs finish (bounded), commit."""
+        """Stop starting work on revoked partitions (their claimed deliveries not yet running
+        are withdrawn: given back), let the runs under way finish (bounded), commit."""
         work = [self._partitions.pop(tp) for tp in revoked if tp in self._partitions]
         if not work:
             return

@@ -83,6 +83,9 @@ class RabbitDelivery:
     """One delivered frame, settled through the transport (its acks and confirming channel)."""
 
     __slots__ = ("_message", "channel", "frame", "transport")
+    # A queue's deliveries are never taken back while they run (see dedupe.transport.Delivery);
+    # a class attribute, so that the core reads it without an AttributeError per run.
+    withdrawn = False
 
     def __init__(self, transport: RabbitMQTransport, channel: str, frame: DeliveredMessage) -> None:
         self.transport = transport

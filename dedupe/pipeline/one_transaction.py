@@ -59,7 +59,7 @@ from dedupe.pipeline.failures import describe, retry_delay, transient
 from dedupe.pipeline.group_commit import TAINTED, LaneDatabase
 from dedupe.pipeline.hooks import Hooks
 from dedupe.pipeline.observers import Observer
-from dedupe.pipeline.outcomes import REQUEUE_INTERNAL, Ticket
+from dedupe.pipeline.outcomes import REQUEUE_INTERNAL, REQUEUE_WITHDRAWN, Ticket
 from dedupe.pipeline.stats import Stats
 from dedupe.transport import Action, Settlement
 
@@ -170,6 +170,8 @@ class OneTransaction:
         async with self._slots:
             if self._stopping():  # a stop began while it waited for a slot: give it back
                 return self._left(STOPPING)
+            if ticket.withdrawn:  # its delivery was taken back meanwhile: nothing was claimed
+                return REQUEUE_WITHDRAWN
             try:
                 conn: asyncpg.Connection = await self.store.pool.acquire()
             except TRANSIENT_ERRORS:

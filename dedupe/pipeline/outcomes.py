@@ -8,7 +8,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dedupe.app import Handler
 from dedupe.claims import conflict_records, conflicts
@@ -30,6 +30,7 @@ from dedupe.pipeline.hooks import Hooks
 from dedupe.pipeline.observers import Observer
 from dedupe.pipeline.stats import Stats
 from dedupe.transport import Action, Delivery, Settlement
+from dedupe.transport import withdrawn as delivery_withdrawn
 
 logger = logging.getLogger("dedupe.pipeline")
 
@@ -46,6 +47,14 @@ class Ticket:
     message: Message
     request: ClaimRequest
     started: float
+    # The delivery that brought the message, asked whether the transport took it back.
+    delivery: Delivery | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def withdrawn(self) -> bool:
+        """Whether the transport took the message's delivery back (a revoked Kafka
+        partition): a claim whose handler has not started is then given back, not run."""
+        return self.delivery is not None and delivery_withdrawn(self.delivery)
 
 
 @dataclass(eq=False, slots=True)
@@ -85,6 +94,7 @@ def lease_lost(handler: Handler) -> Settlement:
 
 REQUEUE_INTERNAL = Settlement(Action.REQUEUE, detail="internal error", delay_s=5.0)
 REQUEUE_STOPPING = Settlement(Action.REQUEUE, detail="worker stopping")
+REQUEUE_WITHDRAWN = Settlement(Action.REQUEUE, detail="delivery withdrawn by the transport")
 
 
 def store_unavailable(error: str) -> Settlement:
@@ -269,6 +279,7 @@ class Completions:
 __all__ = [
     "REQUEUE_INTERNAL",
     "REQUEUE_STOPPING",
+    "REQUEUE_WITHDRAWN",
     "Completions",
     "Outcome",
     "Outcomes",

@@ -40,6 +40,7 @@ from dedupe.pipeline.observers import Observer, Observers
 from dedupe.pipeline.outcomes import (
     REQUEUE_INTERNAL,
     REQUEUE_STOPPING,
+    REQUEUE_WITHDRAWN,
     Completions,
     Outcome,
     Outcomes,
@@ -207,12 +208,11 @@ class Processor:
                     delivery, [dead_letter(Reason.NO_HANDLER, f"no handler for {channel}")]
                 )
             return
-        messages = [d.message for d in deliveries]
         started = time.perf_counter()
         plans: list[list[_Planned]] = []
         try:
             for handler in handlers:
-                plans.append(await self._plan(handler, messages, started))
+                plans.append(await self._plan(handler, deliveries, started))
         except Exception:
             # A bug, not a message problem: give the batch back rather than leave it unsettled.
             logger.exception("unexpected error while claiming a batch; requeueing it")
@@ -295,7 +295,7 @@ class Processor:
                 first.fall_back(onetx.REPEAT)
                 continue
             seen.add(request.ident)
-            runs[i] = Ticket(handler, message, request, started)
+            runs[i] = Ticket(handler, message, request, started, delivery)
         if not runs:
             return deliveries
 
@@ -324,23 +324,24 @@ class Processor:
         ]
 
     async def _plan(
-        self, handler: Handler, messages: Sequence[Message], started: float
+        self, handler: Handler, deliveries: Sequence[Delivery], started: float
     ) -> list[_Planned]:
         """Claim every message's key in one statement; return each message's outcome to await.
 
         The first of a key that the batch holds twice is a task of its own, which the second
         awaits before it claims the key again.
         """
-        planned: list[_Planned | None] = [None] * len(messages)
+        planned: list[_Planned | None] = [None] * len(deliveries)
         tickets: list[tuple[int, Ticket]] = []
         first_of: dict[KeyId, int] = {}
         repeats: list[tuple[int, int, Ticket]] = []
-        for i, message in enumerate(messages):
+        for i, delivery in enumerate(deliveries):
+            message = delivery.message
             request = _request(handler, message)
             if isinstance(request, Unclaimable):
                 planned[i] = _Planned(None, settled=dead_letter(request.reason, request.detail))
                 continue
-            ticket = Ticket(handler, message, request, started)
+            ticket = Ticket(handler, message, request, started, delivery)
             ident = request.ident
             if ident in first_of:
                 repeats.append((i, first_of[ident], ticket))
@@ -353,7 +354,7 @@ class Processor:
         verdicts = await self.claims.claim(handler.name, terms, [t.request for _, t in tickets])
         if verdicts and isinstance(verdicts[0], Unavailable):
             logger.warning(
-                "claim failed, requeueing %d messages: %s", len(messages), verdicts[0].error
+                "claim failed, requeueing %d messages: %s", len(deliveries), verdicts[0].error
             )
             requeue = store_unavailable(verdicts[0].error)
             return [p or _Planned(None, settled=requeue) for p in planned]
@@ -407,6 +408,8 @@ class Processor:
                 await asyncio.shield(outcome.done)
         if self.runner.stopping:
             return REQUEUE_STOPPING
+        if ticket.withdrawn:
+            return REQUEUE_WITHDRAWN
         handler = ticket.handler
         terms = Terms(handler.lease_s, handler.retention_s)
         return await self._decide(ticket, await self.claims.claim_one(terms, ticket.request))

@@ -32,6 +32,7 @@ from dedupe.pipeline.hooks import Hooks
 from dedupe.pipeline.observers import Observer
 from dedupe.pipeline.outcomes import (
     REQUEUE_STOPPING,
+    REQUEUE_WITHDRAWN,
     Outcome,
     Pending,
     Ticket,
@@ -47,6 +48,12 @@ logger = logging.getLogger("dedupe.pipeline")
 
 class _CrashLoop(DedupeError):
     """The key was taken over from dead workers more than max_attempts times."""
+
+
+class _Withdrawn(BaseException):
+    """The transport took the delivery back while its claim waited for a slot: the claim is
+    given back, nothing runs. A BaseException, so that no handler error path (retries, give
+    up) takes it for the run's failure."""
 
 
 @dataclass(eq=False, slots=True)
@@ -117,6 +124,9 @@ class Runner:
         if self.stopping:
             await self.leases.release(lease)
             return REQUEUE_STOPPING
+        if ticket.withdrawn:  # e.g. its Kafka partition was revoked: the next owner runs it
+            await self.leases.release(lease)
+            return REQUEUE_WITHDRAWN
         if ours.taken_over:
             self.stats.taken_over += 1
         try:
@@ -125,6 +135,9 @@ class Runner:
             except InvalidPayload as exc:
                 return await self._give_up(handler, lease.fence, Reason.INVALID_PAYLOAD, str(exc))
             return await self._attempts(ticket, payload, lease)
+        except _Withdrawn:
+            await self.leases.release(lease)
+            return REQUEUE_WITHDRAWN
         except asyncio.CancelledError:
             if not (lease.lost or lease.stopping):
                 raise
@@ -257,6 +270,8 @@ class Runner:
                 await isolate.acquire()
             try:
                 async with self._slots:
+                    if not lease.started and ticket.withdrawn:
+                        raise _Withdrawn()  # taken back while it waited: the run never began
                     lease.started = True
                     if not lease.counted:
                         await self._count_take_over(handler, lease)

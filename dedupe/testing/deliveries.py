@@ -25,6 +25,9 @@ class MemoryDelivery:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     # Set by the broker: what the settlement means to it (False: it never got it).
     on_settle: Callable[[MemoryDelivery, Settlement], bool] | None = field(default=None, repr=False)
+    # Set by a test: the transport took it back (as a revoked Kafka partition does); a claim of
+    # it whose handler has not started is given back and requeued (dedupe.transport.Delivery).
+    withdrawn: bool = False
 
     async def settle(self, settlement: Settlement) -> bool:
         self.settlements.append(settlement)

@@ -151,6 +151,78 @@ async def test_a_stop_hands_back_queued_claims_at_once_and_is_bounded_by_its_tim
     assert attempts == {"a": 0}  # the interrupted run was taken back
 
 
+async def test_withdrawn_deliveries_are_given_back_not_run_and_the_run_under_way_finishes(
+    store: ClaimStore, second_store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """A transport that takes its deliveries back (a revoked Kafka partition) mid-batch: the
+    run under way finishes, the claims no handler runs yet are given back (requeued, free for
+    another worker, their attempt taken back), not run: the batch takes one handler's time,
+    not four."""
+    calls: list[str] = []
+    started = asyncio.Event()
+    app = slow_app(calls, delay_s=1.0, lease_s=30, started=started)
+    async with Processor(app, store, concurrency=1) as processor:
+        batch = [job("a"), job("b"), job("c"), job("d")]
+        running = asyncio.create_task(processor.process(CH, batch))
+        await asyncio.wait_for(started.wait(), 5)
+        began = time.monotonic()
+        for delivery in batch:
+            delivery.withdrawn = True
+        await asyncio.wait_for(running, 5)
+        assert time.monotonic() - began < 1.9
+    assert calls == ["a"]
+    assert batch[0].settlements[-1].action is Action.ACK
+    assert [d.settlements[-1].action for d in batch[1:]] == [Action.REQUEUE] * 3
+    assert processor.stats.requeued == 3 and processor.stats.completed == 1
+    rows = await db.fetch(
+        "SELECT key, attempts, lease_until <= now() AS free, error FROM dedupe_claims"
+        " WHERE key <> 'a' ORDER BY key"
+    )
+    assert [tuple(r) for r in rows] == [(k, 0, True, "handed back") for k in "bcd"]
+    claims = await second_store.claim_batch(
+        [request("b"), request("c"), request("d")], lease_s=30, retention_s=3600
+    )
+    assert all(c.owned and c.handed_back for c in claims)
+
+
+async def test_withdrawn_first_deliveries_of_a_one_transaction_handler_claim_nothing(
+    store: ClaimStore, db: asyncpg.Connection
+) -> None:
+    """one_transaction=True: a first delivery withdrawn while it waits for a slot is requeued
+    without a claim (nothing to give back), rather than fall back to the two-commit path."""
+    calls: list[str] = []
+    started = asyncio.Event()
+    app = App("t")
+
+    @app.handler(CH, lease_s=30, one_transaction=True)
+    async def work(payload: Job, ctx: Context) -> None:
+        calls.append(ctx.key)
+        started.set()
+        await asyncio.sleep(1.0)
+
+    def first(key: str) -> MemoryDelivery:
+        message = make_message(
+            CH, json.dumps({"n": 1}), message_id=key, meta={"redelivered": False}
+        )
+        return MemoryDelivery(message)
+
+    async with Processor(app, store, concurrency=1) as processor:
+        batch = [first("a"), first("b"), first("c")]
+        running = asyncio.create_task(processor.process(CH, batch))
+        await asyncio.wait_for(started.wait(), 5)
+        began = time.monotonic()
+        for delivery in batch:
+            delivery.withdrawn = True
+        await asyncio.wait_for(running, 5)
+        assert time.monotonic() - began < 1.9
+    assert calls == ["a"]
+    assert batch[0].settlements[-1].action is Action.ACK
+    assert [d.settlements[-1].action for d in batch[1:]] == [Action.REQUEUE] * 2
+    assert await db.fetch("SELECT key FROM dedupe_claims WHERE key <> 'a'") == []
+    assert processor.stats.one_transaction == 1
+    assert not processor.stats.one_transaction_fallbacks
+
+
 # -- statements sent again after a lost reply -------------------------------------------------
 
 

@@ -297,7 +297,9 @@ async def test_a_consumer_joining_and_one_leaving_mid_stream_run_every_key_once(
 ) -> None:
     """Rebalances while messages flow: in-flight work finishes before offsets move, so no
     handler runs twice and nothing is lost; revocation commits what was done, so the new owners
-    read nothing again (the only duplicates are the copies published)."""
+    read nothing again (the only duplicates are the copies published). (A revoke gives back
+    the claims whose handlers have not started, and a record done after one of those is read
+    again as a duplicate: this stream is light enough that no claim waits for a runner.)"""
     # Periodic commits rarely, so that what was done since the last one is read again unless
     # the revocation commits it.
     broker = KafkaBroker(kafka_url, commit_interval_s=2.0)
@@ -351,6 +353,93 @@ async def test_a_consumer_joining_and_one_leaving_mid_stream_run_every_key_once(
     workers = (worker_a, worker_b, worker_c)
     assert sum(w.stats.completed for w in workers) == unique
     assert sum(w.stats.duplicates for w in workers) == len(stream) - unique
+
+
+async def test_a_revoke_gives_back_the_claims_no_handler_runs_yet_and_waits_only_for_the_runs(
+    kafka_url: str, channel: str, db_url: str, db: asyncpg.Connection
+) -> None:
+    """A rebalance takes a partition whose fetched batch is claimed but mostly queued behind
+    slow handlers: the revoke waits for the runs under way only (not the queue's handler
+    time), starts none, and gives the queued claims back (free at once, no attempt charged);
+    the next owner runs them, and no key's handler runs twice."""
+    broker = KafkaBroker(kafka_url, partitions=1)
+    calls: list[int] = []
+    app = App("t")
+
+    @app.handler(channel, lease_s=30)
+    async def work(payload: Job) -> int:
+        calls.append(payload.n)
+        await asyncio.sleep(0.5)
+        return payload.n
+
+    count, concurrency = 48, 4  # the queue alone: (48 - 4) / 4 x 0.5 s = 5.5 s of handlers
+    await broker.publish(channel, [(body(i), {}, f"k{i}") for i in range(count)])
+    revokes: list[dict[str, Any]] = []
+    a = broker.transport()
+    revoke = a.revoke
+
+    async def timed_revoke(revoked: set[aiokafka.TopicPartition]) -> None:
+        if revokes or not any(tp.topic == channel for tp in a.assignment & revoked):
+            await revoke(revoked)  # (the first revoke of the channel's partition is the test's)
+            return
+        before, began = set(calls), time.monotonic()
+        await revoke(revoked)
+        held = await db.fetchval(
+            "SELECT count(*) FROM dedupe_claims"
+            " WHERE status = 'in_progress' AND lease_until > now()"
+        )
+        handed_back = await db.fetch(
+            "SELECT key, attempts FROM dedupe_claims WHERE status = 'in_progress'"
+            " AND error = 'handed back' AND lease_until <= now()"
+        )
+        revokes.append(
+            {
+                "s": time.monotonic() - began,
+                "before": before,
+                "after": set(calls),
+                "held": held,
+                "handed_back": {r["key"]: r["attempts"] for r in handed_back},
+            }
+        )
+
+    a.revoke = timed_revoke  # type: ignore[method-assign]
+    async with contextlib.AsyncExitStack() as stack:
+        stores = [
+            await stack.enter_async_context(ClaimStore.open(db_url, owner=f"w{i}"))
+            for i in range(2)
+        ]
+        await stack.enter_async_context(running(app, stores[0], a, concurrency=concurrency))
+
+        async def claimed_and_running() -> bool:
+            rows = await db.fetchval("SELECT count(*) FROM dedupe_claims")
+            return rows == count and len(calls) >= concurrency
+
+        await eventually(claimed_and_running)
+        b = broker.transport()
+        await stack.enter_async_context(running(app, stores[1], b, concurrency=concurrency))
+
+        async def revoked() -> bool:
+            return bool(revokes)
+
+        await eventually(revoked)
+        [first] = revokes[:1]
+        # Only the runs under way when the revoke began ran on: nothing started since.
+        assert first["after"] == first["before"]
+        assert len(first["before"]) < count // 2
+        assert first["s"] < 2.5  # about one handler run (0.5 s), not the queue's 5.5 s
+        assert first["held"] == 0  # nothing left under a live lease for the next owner
+        unstarted = {f"k{i}" for i in range(count)} - {f"k{n}" for n in first["before"]}
+        assert first["handed_back"] == dict.fromkeys(unstarted, 0)  # no attempt charged
+
+        async def all_done() -> bool:
+            done = await db.fetchval(
+                "SELECT count(*) FROM dedupe_claims WHERE status = 'completed'"
+            )
+            return done == count and await broker.backlog(channel) == 0
+
+        await eventually(all_done, timeout_s=60)
+    assert sorted(calls) == list(range(count))  # each key's handler ran once, none twice
+    assert await db.fetchval("SELECT max(attempts) FROM dedupe_claims") == 1
 
 
 async def test_a_dead_letter_too_large_for_the_broker_goes_out_without_its_body(

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from dedupe.claims.records import Reason
-from dedupe.transport import ACK, Action, Delivery, Settlement
+from dedupe.pipeline.outcomes import REQUEUE_WITHDRAWN
+from dedupe.transport import ACK, Action, Delivery, Settlement, withdrawn
 from dedupe_kafka.partition import KafkaDelivery, PartitionWork, to_message
 
 
@@ -395,6 +396,28 @@ async def test_a_revoked_partition_starts_no_next_wave_and_commits_only_before_i
     await h.run(records("a", "a", "b", "c"))
     assert h.calls == [[(0, 1), (2, 1)]]  # neither the chunk's second wave nor offset 3
     assert h.work.position() == 1  # offset 2 is done, but 1 never ran
+
+
+async def test_a_revoked_partitions_deliveries_are_withdrawn_the_given_back_stay_uncommitted() -> (
+    None
+):
+    """What the core asks before a claimed run starts (dedupe.transport.withdrawn): once the
+    partition is revoked its deliveries are withdrawn; the ones given back (requeued) hold the
+    commit position, runs under way that finish after the revoke still count."""
+    h = Harness()
+    asked: list[bool] = []
+
+    def decide(delivery: KafkaDelivery) -> Settlement:
+        asked.append(withdrawn(delivery))
+        if delivery.offset == 0:
+            h.work.close()  # revoked while offset 0 runs
+        return REQUEUE_WITHDRAWN if delivery.offset == 1 else ACK
+
+    h.decide = decide
+    await h.run(records("a", "b", "c"))
+    assert asked == [False, True, True]
+    assert h.work.position() == 1  # 0 done, 1 given back (read again by the next owner)
+    assert not h.work.held
 
 
 async def test_too_many_held_messages_keep_the_partition_paused() -> None:
