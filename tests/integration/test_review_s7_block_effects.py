@@ -1,0 +1,69 @@
+"""Review s7: what a `ctx.db.transaction()` block that raises leaves behind.
+
+README: "a block that raises ... rolls back its own writes and the run goes on". A
+`ctx.publish` is a write of the run's transaction (an outbox row stored with the completion,
+DESIGN §3: "a failed run's publishes roll back with its writes"), so a publish made inside a
+block that was rolled back must not go out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import asyncpg
+import pytest
+from pydantic import BaseModel
+
+from dedupe import App, Context
+from dedupe.claims.store import ClaimStore
+from dedupe.pipeline.processor import Processor
+from dedupe.testing.deliveries import MemoryDelivery, make_message
+from dedupe.transport import Action
+
+CH = "rows"
+MODES = {
+    "own transaction": {},
+    "group commit": {"group_commit": True},
+    "one transaction": {"one_transaction": True},
+}
+
+
+class Row(BaseModel):
+    n: int
+
+
+@pytest.fixture
+async def effects(db: asyncpg.Connection) -> asyncpg.Connection:
+    await db.execute("CREATE TABLE effects (key text PRIMARY KEY, n int NOT NULL)")
+    return db
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+async def test_a_publish_inside_a_block_that_raised_is_rolled_back_with_it(
+    mode: str, store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    app = App("s")
+
+    @app.handler(CH, retry_on=(), **MODES[mode])  # type: ignore[arg-type]
+    async def write(payload: Row, ctx: Context) -> None:
+        await ctx.db.execute("INSERT INTO effects VALUES ($1, $2)", ctx.key, payload.n)
+        with contextlib.suppress(asyncpg.UniqueViolationError):
+            async with ctx.db.transaction():
+                await ctx.publish("created", {"key": ctx.key}, key=f"{ctx.key}-created")
+                await ctx.db.execute("INSERT INTO effects VALUES ($1, 0)", ctx.key)  # refused
+        await ctx.publish("kept", {"key": ctx.key}, key=f"{ctx.key}-kept")
+
+    delivery = MemoryDelivery(
+        make_message(CH, json.dumps({"n": 1}), message_id="k1", meta={"redelivered": False})
+    )
+    async with Processor(app, store) as processor:
+        await processor.process(CH, [delivery])
+    assert delivery.settlements[-1].action is Action.ACK
+    rows = {r["key"] for r in await effects.fetch("SELECT key FROM effects")}
+    assert rows == {"k1"}  # the block's insert was rolled back...
+    published = sorted(
+        r["message_id"] for r in await effects.fetch("SELECT message_id FROM dedupe_outbox")
+    )
+    # ... and so must be the publish made in it: only the one after the block goes out.
+    assert published == ["k1-kept"]
