@@ -8,6 +8,7 @@ block that was rolled back must not go out.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -67,3 +68,41 @@ async def test_a_publish_inside_a_block_that_raised_is_rolled_back_with_it(
     )
     # ... and so must be the publish made in it: only the one after the block goes out.
     assert published == ["k1-kept"]
+
+
+async def test_a_timeout_that_expires_while_a_block_rolls_back_spoils_nothing_else(
+    store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """A handler's own `asyncio.timeout` expires while its failed block's ROLLBACK TO SAVEPOINT
+    is on the wire (made deterministic here: the deadline is moved to now as the block raises).
+    The shielded rollback goes on in the background while the run goes on: the next statement
+    on the lane's connection must not meet it ("another operation is in progress"), which
+    broke the lane: the other members of its group were failed with it, and the run's own
+    completion future was never resolved (its message never settled)."""
+    app = App("g")
+
+    @app.handler(CH, group_commit=True, retry_on=(), lease_s=30)
+    async def write(payload: Row, ctx: Context) -> None:
+        await ctx.db.execute("INSERT INTO effects VALUES ($1, $2)", ctx.key, payload.n)
+        if ctx.key == "k1":
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None) as deadline:
+                    async with ctx.db.transaction():
+                        await ctx.db.execute("INSERT INTO effects VALUES ('k1-undone', 0)")
+                        deadline.reschedule(asyncio.get_running_loop().time())
+                        raise LookupError("changed my mind")
+            # The run goes on (the block was rolled back), on its connection.
+            await ctx.db.execute("INSERT INTO effects VALUES ('k1-after', 0)")
+        await asyncio.sleep(0.05)  # the runs behind this one join its group
+
+    deliveries = [
+        MemoryDelivery(make_message(CH, json.dumps({"n": i}), message_id=f"k{i}")) for i in range(4)
+    ]
+    async with Processor(app, store) as processor:
+        async with asyncio.timeout(20):
+            await processor.process(CH, deliveries)
+    assert {d.message.message_id: d.settlements[-1].action for d in deliveries} == {
+        f"k{i}": Action.ACK for i in range(4)
+    }
+    rows = {r["key"] for r in await effects.fetch("SELECT key FROM effects")}
+    assert rows == {f"k{i}" for i in range(4)} | {"k1-after"}
