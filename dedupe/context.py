@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -129,7 +129,7 @@ class Database:
             try:
                 yield
             except BaseException:
-                await asyncio.shield(conn.execute(f"ROLLBACK TO SAVEPOINT {name}"))
+                await _to_its_end(conn.execute(f"ROLLBACK TO SAVEPOINT {name}"))
                 for step in reversed(undo):
                     step()
                 self._rolled_back_to_savepoint()
@@ -165,6 +165,25 @@ class Database:
         finally:
             with contextlib.suppress(*broken):
                 await self._pool.release(conn)
+
+
+async def _to_its_end(statement: Awaitable[Any]) -> Any:
+    """Await a statement to its end even if the task is cancelled meanwhile, then let the
+    cancellation go on: the connection is the run's, and its next statement (the handler's,
+    the lane's RELEASE or ROLLBACK TO of the member, the completion) must not find it busy
+    with this one (asyncpg: "another operation is in progress")."""
+    task = asyncio.ensure_future(statement)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what goes on
+        raise cancelled
+    return task.result()
 
 
 @dataclass(slots=True)
