@@ -106,3 +106,25 @@ async def test_a_timeout_that_expires_while_a_block_rolls_back_spoils_nothing_el
     }
     rows = {r["key"] for r in await effects.fetch("SELECT key FROM effects")}
     assert rows == {f"k{i}" for i in range(4)} | {"k1-after"}
+
+
+async def test_a_lane_connection_lost_at_the_members_release_still_settles_the_member(
+    store: ClaimStore, effects: asyncpg.Connection
+) -> None:
+    """(Not from this range: group_commit.Lane.finished.) The lane's connection is lost after
+    the handler's last statement: the member's RELEASE SAVEPOINT fails, Lane._fail fails the
+    open group, but the member's own completion future (not in the group yet) was never
+    resolved: its message was never settled and process() never returned."""
+    app = App("g")
+
+    @app.handler(CH, group_commit=True, retry_on=(), lease_s=30)
+    async def write(payload: Row, ctx: Context) -> None:
+        await ctx.db.execute("INSERT INTO effects VALUES ($1, $2)", ctx.key, payload.n)
+        pid = await ctx.db.fetchval("SELECT pg_backend_pid()")
+        await effects.execute("SELECT pg_terminate_backend($1)", pid)
+
+    delivery = MemoryDelivery(make_message(CH, json.dumps({"n": 1}), message_id="k1"))
+    async with Processor(app, store) as processor:
+        async with asyncio.timeout(20):
+            await processor.process(CH, [delivery])
+    assert delivery.settlements[-1].action is Action.REQUEUE  # the store failed under it
