@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,6 +61,9 @@ class Database:
         self._tx: Any = None
         self._closed = False
         self._savepoints = 0  # how deep ctx.db.transaction() blocks are nested now
+        # Called as a block begins, each returns what undoes the run's in-memory writes made
+        # since (ctx.publish's outbox rows, stored at completion) if the block is rolled back.
+        self._block_marks: list[Callable[[], Callable[[], None]]] = []
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -105,6 +108,11 @@ class Database:
         conn = await self.connection()
         return await conn.fetchval(query, *args, timeout=timeout)
 
+    def on_block(self, mark: Callable[[], Callable[[], None]]) -> None:
+        """`mark()` is called as each transaction() block begins; what it returns is called
+        if the block is rolled back (the writes a run keeps in memory until its completion)."""
+        self._block_marks.append(mark)
+
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
         """`async with ctx.db.transaction():` a savepoint in the run's transaction. If the
@@ -117,10 +125,13 @@ class Database:
         name = f"dedupe_block_{self._savepoints}"
         try:
             await conn.execute(f"SAVEPOINT {name}")
+            undo = [mark() for mark in self._block_marks]
             try:
                 yield
             except BaseException:
-                await asyncio.shield(conn.execute(f"ROLLBACK TO SAVEPOINT {name}"))
+                await _to_its_end(conn.execute(f"ROLLBACK TO SAVEPOINT {name}"))
+                for step in reversed(undo):
+                    step()
                 self._rolled_back_to_savepoint()
                 raise
             await conn.execute(f"RELEASE SAVEPOINT {name}")
@@ -154,6 +165,25 @@ class Database:
         finally:
             with contextlib.suppress(*broken):
                 await self._pool.release(conn)
+
+
+async def _to_its_end(statement: Awaitable[Any]) -> Any:
+    """Await a statement to its end even if the task is cancelled meanwhile, then let the
+    cancellation go on: the connection is the run's, and its next statement (the handler's,
+    the lane's RELEASE or ROLLBACK TO of the member, the completion) must not find it busy
+    with this one (asyncpg: "another operation is in progress")."""
+    task = asyncio.ensure_future(statement)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    if cancelled is not None:
+        if not task.cancelled():
+            task.exception()  # retrieved: the cancellation is what goes on
+        raise cancelled
+    return task.result()
 
 
 @dataclass(slots=True)

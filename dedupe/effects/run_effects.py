@@ -65,8 +65,18 @@ class RunEffects:
         self.db = db
         self.fence = fence
         self.outgoing: list[Outgoing] = []
+        # A ctx.db.transaction() block rolled back takes its publishes back with its writes.
+        db.on_block(self._mark)
         self._counts: collections.Counter[str] = collections.Counter()
         self._cancel = cancel
+
+    def _mark(self) -> Callable[[], None]:
+        published = len(self.outgoing)
+
+        def undo() -> None:
+            del self.outgoing[published:]
+
+        return undo
 
     async def publish(
         self,

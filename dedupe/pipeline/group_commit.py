@@ -197,6 +197,11 @@ class Lane:
                 if done is None:
                     await conn.execute("ROLLBACK TO SAVEPOINT dedupe_member")
             except _BROKEN as exc:
+                if done is not None and not done.future.done():
+                    # Not in the group yet: _fail does not reach it; its message is requeued.
+                    done.future.set_exception(
+                        StoreError(f"a group commit's connection failed: {exc}")
+                    )
                 await self._fail(exc)
                 return
             if done is not None:
