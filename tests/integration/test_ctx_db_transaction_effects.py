@@ -1,4 +1,5 @@
-"""Review s7: what a `ctx.db.transaction()` block that raises leaves behind.
+"""What a `ctx.db.transaction()` block that raises leaves behind (its publishes, its connection),
+and a group-commit member whose connection is lost at its RELEASE.
 
 README: "a block that raises ... rolls back its own writes and the run goes on". A
 `ctx.publish` is a write of the run's transaction (an outbox row stored with the completion,
