@@ -68,6 +68,7 @@ test-unit: install  ## only the tests that need no service
 chaos: install services  ## the large chaos run: N=100,000 messages, 50 faults per scenario (long)
 	rm -f .services/chaos-report.md
 	CHAOS_N=$${CHAOS_N:-100000} CHAOS_FAULTS=$${CHAOS_FAULTS:-50} CHAOS_RESTART_FAULTS=$${CHAOS_RESTART_FAULTS:-10} \
+	CHAOS_LEADER_FAULTS=$${CHAOS_LEADER_FAULTS:-50} \
 	CHAOS_REPORT=$(CURDIR)/.services/chaos-report.md \
 	$(BIN)/python -m pytest tests/chaos -q --timeout=0 $(PYTEST_ARGS)
 	@echo; echo "table rows (.services/chaos-report.md):"; cat .services/chaos-report.md
