@@ -129,7 +129,7 @@ class Database:
             try:
                 yield
             except BaseException:
-                await _to_its_end(conn.execute(f"ROLLBACK TO SAVEPOINT {name}"))
+                await _to_its_end(conn.execute(f"ROLLBACK TO SAVEPOINT {name}"), conn)
                 for step in reversed(undo):
                     step()
                 self._rolled_back_to_savepoint()
@@ -167,23 +167,47 @@ class Database:
                 await self._pool.release(conn)
 
 
-async def _to_its_end(statement: Awaitable[Any]) -> Any:
+# How long a block's ROLLBACK TO may still take once the run is cancelled (a lost lease, a
+# stop, the handler's own timeout) before its connection is closed instead.
+ROLLBACK_BOUND_S = 10.0
+
+
+async def _to_its_end(
+    statement: Awaitable[Any], conn: asyncpg.Connection, bound_s: float = ROLLBACK_BOUND_S
+) -> Any:
     """Await a statement to its end even if the task is cancelled meanwhile, then let the
     cancellation go on: the connection is the run's, and its next statement (the handler's,
     the lane's RELEASE or ROLLBACK TO of the member, the completion) must not find it busy
-    with this one (asyncpg: "another operation is in progress")."""
+    with this one (asyncpg: "another operation is in progress"). Once cancelled, it waits at
+    most `bound_s` (a stalled connection must not hold the run): past it, the connection is
+    terminated (the server rolls its whole transaction back; what was to complete on it fails
+    as a broken connection does) and the cancellation goes on."""
+    loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(statement)
     cancelled: asyncio.CancelledError | None = None
+    deadline: float | None = None
     while not task.done():
+        if deadline is not None and loop.time() >= deadline:
+            conn.terminate()
+            task.cancel()
+            task.add_done_callback(_retrieved)  # it ends with the closed connection's error
+            break
         try:
-            await asyncio.wait([task])
+            await asyncio.wait([task], timeout=None if deadline is None else deadline - loop.time())
         except asyncio.CancelledError as exc:
             cancelled = exc
+            if deadline is None:
+                deadline = loop.time() + bound_s
     if cancelled is not None:
-        if not task.cancelled():
-            task.exception()  # retrieved: the cancellation is what goes on
+        if task.done():
+            _retrieved(task)  # the cancellation is what goes on
         raise cancelled
     return task.result()
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass(slots=True)
