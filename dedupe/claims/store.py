@@ -99,7 +99,9 @@ class ClaimStore:
                         return rows
                 except TRANSIENT_ERRORS:
                     failed += 1
-                    if failed >= FETCH_ATTEMPTS:
+                    # A closed pool stays closed (a stop dropped it past its bound): trying
+                    # again only slows every give-back of the stop by the backoff.
+                    if failed >= FETCH_ATTEMPTS or self.pool.is_closing():
                         raise
                 await asyncio.sleep(fetch_backoff(failed))
         except asyncpg.LockNotAvailableError:

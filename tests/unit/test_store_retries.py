@@ -43,6 +43,10 @@ class _Pool:
     def __init__(self, failures: list[BaseException]) -> None:
         self.connection = _Connection(failures)
         self.acquired = 0
+        self.closing = False
+
+    def is_closing(self) -> bool:
+        return self.closing
 
     @asynccontextmanager
     async def acquire(self) -> Any:
@@ -85,6 +89,18 @@ async def test_after_the_last_attempt_a_transient_error_is_a_store_error(
         await store._fetch("show_claim", "scope", "key")
     assert pool.connection.sent == FETCH_ATTEMPTS
     assert len(_no_waits) == FETCH_ATTEMPTS - 1
+
+
+async def test_a_closed_pool_is_not_tried_again(_no_waits: list[float]) -> None:
+    """A stop that dropped the pool past its bound: each give-back after it fails at once
+    instead of waiting out the backoff (4 attempts, ~0.4 s each, one give-back after another,
+    held a stalled worker's stop past its bound)."""
+    store, pool = _store([asyncpg.InterfaceError("pool is closed")] * FETCH_ATTEMPTS)
+    pool.closing = True
+    with pytest.raises(StoreError, match="pool is closed"):
+        await store._fetch("show_claim", "scope", "key")
+    assert pool.connection.sent == 1
+    assert _no_waits == []
 
 
 async def test_a_refused_value_and_a_lock_timeout_are_not_sent_again() -> None:
