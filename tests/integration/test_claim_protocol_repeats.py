@@ -151,6 +151,20 @@ async def test_a_stop_hands_back_queued_claims_at_once_and_is_bounded_by_its_tim
     assert attempts == {"a": 0}  # the interrupted run was taken back
 
 
+async def _withdrawn_once_the_first_runs(
+    processor: Processor, batch: list[MemoryDelivery], started: asyncio.Event
+) -> None:
+    """Process the batch on one slot; once the first handler runs (1 s), the transport takes
+    every delivery back: the batch ends with that run, well before a second one could."""
+    running = asyncio.create_task(processor.process(CH, batch))
+    await asyncio.wait_for(started.wait(), 5)
+    began = time.monotonic()
+    for delivery in batch:
+        delivery.withdrawn = True
+    await asyncio.wait_for(running, 5)
+    assert time.monotonic() - began < 1.9
+
+
 async def test_withdrawn_deliveries_are_given_back_not_run_and_the_run_under_way_finishes(
     store: ClaimStore, second_store: ClaimStore, db: asyncpg.Connection
 ) -> None:
@@ -163,13 +177,7 @@ async def test_withdrawn_deliveries_are_given_back_not_run_and_the_run_under_way
     app = slow_app(calls, delay_s=1.0, lease_s=30, started=started)
     async with Processor(app, store, concurrency=1) as processor:
         batch = [job("a"), job("b"), job("c"), job("d")]
-        running = asyncio.create_task(processor.process(CH, batch))
-        await asyncio.wait_for(started.wait(), 5)
-        began = time.monotonic()
-        for delivery in batch:
-            delivery.withdrawn = True
-        await asyncio.wait_for(running, 5)
-        assert time.monotonic() - began < 1.9
+        await _withdrawn_once_the_first_runs(processor, batch, started)
     assert calls == ["a"]
     assert batch[0].settlements[-1].action is Action.ACK
     assert [d.settlements[-1].action for d in batch[1:]] == [Action.REQUEUE] * 3
@@ -208,13 +216,7 @@ async def test_withdrawn_first_deliveries_of_a_one_transaction_handler_claim_not
 
     async with Processor(app, store, concurrency=1) as processor:
         batch = [first("a"), first("b"), first("c")]
-        running = asyncio.create_task(processor.process(CH, batch))
-        await asyncio.wait_for(started.wait(), 5)
-        began = time.monotonic()
-        for delivery in batch:
-            delivery.withdrawn = True
-        await asyncio.wait_for(running, 5)
-        assert time.monotonic() - began < 1.9
+        await _withdrawn_once_the_first_runs(processor, batch, started)
     assert calls == ["a"]
     assert batch[0].settlements[-1].action is Action.ACK
     assert [d.settlements[-1].action for d in batch[1:]] == [Action.REQUEUE] * 2
