@@ -88,19 +88,13 @@ async def replay_dead_letters(
                 # channel puts it back in the queue.
                 raise DedupeError(
                     f"RabbitMQ did not take the copy of {incoming.message_id} for queue "
-                    f"{channel!r} ({_refusal(exc)}; was the queue deleted meanwhile?): it stays "
+                    f"{channel!r} ({exc}; was the queue deleted meanwhile?): it stays "
                     f"in {dlq_name(channel)}; {len(moved)} dead letter(s) were replayed before "
                     "it. Run the replay again once the queue exists."
                 ) from exc
             moved.append(step.row)
             await incoming.ack()
     return moved
-
-
-def _refusal(exc: DeliveryError) -> str:
-    """What the broker said: the basic.return's reply text, or that it nacked."""
-    returned = getattr(exc.frame, "reply_text", None)
-    return f"returned: {returned}" if returned else "not confirmed"
 
 
 async def publish(
