@@ -8,12 +8,14 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from starlette.responses import Response
 
 from dedupe.asgi.problems import in_flight, unavailable
 from dedupe.claims import conflict_records, conflicts
+from dedupe.claims.batching import Batcher
 from dedupe.claims.fingerprints import claim_request
 from dedupe.claims.records import ClaimRequest, Fence
 from dedupe.claims.store import ClaimStore
@@ -56,9 +58,13 @@ class Intake:
     """The receiver's open store and publisher, taking one request from claim to reply.
 
     Concurrent requests' claims share statements per source, as a worker's deliveries do
-    (dedupe.claims.verdicts.Claims). Each reply is stored in a statement of its own: a shared
-    one would make every request wait for the slowest reply of its flush (one whose row is
-    locked), and a reply not stored in time leaves its key to be published again.
+    (dedupe.claims.verdicts.Claims), and so do their replies: each published request's claim
+    is completed with its reply in a statement it shares with the replies of the requests that
+    published while the one before ran (dedupe.claims.batching.Batcher, two in flight, as the
+    workers complete their runs). A reply waits at most `store_timeout_s` for its statement; one
+    that no statement has taken by then is never sent, and either way the message is on the
+    broker: the sender has its 202, and a retry after the lease publishes it again under the
+    same message id, which the worker behind dedupes.
     """
 
     store: ClaimStore
@@ -69,9 +75,17 @@ class Intake:
     publish_timeout_s: float
     store_timeout_s: float
     claims: Claims = field(init=False)
+    replies: Batcher[tuple[Fence, str, float], bool] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "claims", Claims(self.store))
+        object.__setattr__(self, "replies", Batcher(self._complete))
+
+    async def _complete(self, outcomes: Sequence[tuple[Fence, str, float]]) -> list[bool]:
+        """One shared statement: complete these claims with their replies (a reply PostgreSQL
+        refuses is stored as a marker, the others as usual: ClaimStore.complete)."""
+        done = await self.store.complete(outcomes)
+        return [fence.ident in done for fence, _, _ in outcomes]
 
     async def claim(
         self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
@@ -267,10 +281,14 @@ class Intake:
     async def _store_reply(
         self, source: WebhookSource, identity: Identity, fence: Fence, reply: Reply
     ) -> None:
-        """Complete the claim with the reply to replay; a failure is logged, not answered."""
+        """Complete the claim with the reply to replay, in a statement shared with other
+        requests' replies; a failure is logged, not answered."""
         try:
             async with asyncio.timeout(self.store_timeout_s):
-                await self.store.complete([(fence, reply.to_result(), source.retention_s)])
+                # Cancelled by the timeout before a statement takes it, the reply is never sent.
+                [completed] = await self.replies.submit(
+                    [(fence, reply.to_result(), source.retention_s)]
+                )
         except Exception as exc:
             # The message is on the broker: accepted is the truth. A retry after the lease
             # publishes it again under the same message id, and the worker dedupes that.
@@ -280,6 +298,17 @@ class Intake:
                 fence.key,
                 exc.__class__.__name__,
                 exc,
+                extra=log_fields(source, identity, "reply_not_stored"),
+            )
+            return
+        if not completed:
+            # Our lease ran out and another request took the key over (it publishes again
+            # under the same message id): its reply is the one kept.
+            logger.info(
+                "webhook %s: key %s published, but its claim was taken over before the reply "
+                "was stored",
+                source.name,
+                fence.key,
                 extra=log_fields(source, identity, "reply_not_stored"),
             )
 

@@ -17,9 +17,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import asyncpg
@@ -424,6 +425,46 @@ async def test_twenty_simultaneous_identical_requests_publish_once(
     assert await queue_depth(amqp_url, hooks.webhooks["billing"].channel) == 1
     late = await client.post("/webhooks/billing", content=body, headers=headers)
     assert (late.status_code, late.content) == (202, fresh[0].content)
+
+
+async def test_concurrent_new_keys_store_their_replies_in_shared_statements(
+    hooks: App, store: ClaimStore, publisher: CountingPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forty keys published at the same moment: their replies are stored in fewer statements
+    than requests (each statement carries what queued while the one before ran), and each key
+    replays its own reply, byte for byte."""
+    statements: list[int] = []
+    complete = store.complete
+
+    async def counted(outcomes: Sequence[Any], **kwargs: Any) -> set[Any]:
+        statements.append(len(outcomes))
+        return await complete(outcomes, **kwargs)
+
+    monkeypatch.setattr(store, "complete", counted)
+    publisher.delay_s = 0.05  # the publishes end together, so their replies queue together
+    receiver = create_receiver(hooks, store=store, publisher=publisher)
+    transport = httpx.ASGITransport(app=receiver)
+    bodies = {f"msg-shared-{i}": json.dumps({"n": i}).encode() for i in range(40)}
+    async with httpx.AsyncClient(transport=transport, base_url="http://receiver") as http:
+        first = await asyncio.gather(
+            *(
+                http.post("/webhooks/billing", content=body, headers=billing_request(body, key))
+                for key, body in bodies.items()
+            )
+        )
+        assert [r.status_code for r in first] == [202] * 40, [r.text for r in first]
+        assert not any("idempotent-replayed" in r.headers for r in first)
+        assert sum(statements) == 40, statements
+        assert len(statements) < 40, f"one reply statement per request: {statements}"
+        again = [
+            await http.post("/webhooks/billing", content=body, headers=billing_request(body, key))
+            for key, body in bodies.items()
+        ]
+    assert [(r.status_code, r.headers.get("idempotent-replayed")) for r in again] == [
+        (202, "true")
+    ] * 40
+    assert [r.content for r in again] == [r.content for r in first]
+    assert len(publisher.published) == 40
 
 
 async def test_a_standard_webhook_with_a_non_ascii_id_is_accepted_under_that_id(
