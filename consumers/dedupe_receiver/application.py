@@ -216,9 +216,13 @@ class Receiver:
         return await self._claim(source, identity, forward, body)
 
     async def traced_webhook(self, request: Request) -> Response:
-        """webhook() in a SERVER span (OpenTelemetry), which the forwarded message carries on."""
-        name = request.path_params["source"]
+        """webhook() in a SERVER span (OpenTelemetry), which the forwarded message carries on;
+        without a recording tracer, webhook() alone (the caller's trace headers are forwarded
+        as they came)."""
         first, headers = _request_headers(request)
+        if not tracing.recording():
+            return await self._webhook(request, headers)
+        name = request.path_params["source"]
         attributes = {"dedupe.webhook.source": name, "http.request.method": request.method}
         with tracing.server_span(f"dedupe.receive {name}", first, attributes) as span:
             response = await self._webhook(request, headers)
@@ -264,8 +268,9 @@ class Receiver:
             return respond(
                 unavailable("the receiver has not started (lifespan)", slug="not-started")
             )
-        tracing.annotate_current(**{"dedupe.scope": identity.scope, "dedupe.key": identity.key})
-        forward = {**forward, **tracing.trace_headers()}  # the worker's span: our child
+        if tracing.recording():
+            tracing.annotate_current(**{"dedupe.scope": identity.scope, "dedupe.key": identity.key})
+            forward = {**forward, **tracing.trace_headers()}  # the worker's span: our child
         intake = self._intake
         if (
             intake is None

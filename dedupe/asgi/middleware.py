@@ -319,6 +319,8 @@ class IdempotencyMiddleware:
             await self._lifespan(scope, receive, send)
         elif scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
+        elif not tracing.recording():  # no span to open: the caller's trace headers pass on
+            await self._answer(scope, receive, send, _Tally())
         else:
             tally = _Tally()
             name = f"dedupe.http {scope['method']}"
@@ -328,12 +330,18 @@ class IdempotencyMiddleware:
             ) as span:
                 scope = tracing.with_trace_headers(scope)  # the endpoint's spans: our children
                 try:
-                    tally.outcome, tally.route = await self._serve(scope, receive, send, tally)
+                    await self._answer(scope, receive, send, tally)
                 finally:
-                    self.metrics.http_answered(self._route_label(scope, tally.route), tally.outcome)
                     tracing.annotate(
                         span, **{"dedupe.outcome": tally.outcome, "http.route": tally.route}
                     )
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send, tally: _Tally) -> None:
+        """Serve a covered request and count its outcome."""
+        try:
+            tally.outcome, tally.route = await self._serve(scope, receive, send, tally)
+        finally:
+            self.metrics.http_answered(self._route_label(scope, tally.route), tally.outcome)
 
     async def _serve(
         self, scope: Scope, receive: Receive, send: Send, tally: _Tally
@@ -405,7 +413,8 @@ class IdempotencyMiddleware:
         tally: _Tally,
     ) -> tuple[str, str | None]:
         """Run the endpoint under the key's claim, or answer for the claim held elsewhere."""
-        tracing.annotate_current(**{"dedupe.scope": request.scope, "dedupe.key": request.key})
+        if tracing.recording():
+            tracing.annotate_current(**{"dedupe.scope": request.scope, "dedupe.key": request.key})
         store = await self._store_or_problem()
         if isinstance(store, Problem):
             return await answer(send, store, "unavailable")

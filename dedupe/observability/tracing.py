@@ -17,7 +17,8 @@ handler's own spans are its children, and so is whatever it publishes (`ctx.publ
 the span's `traceparent` with the outbox row, dedupe.effects.outbox.with_trace_context), so
 the next stage's span continues the trace. The webhook receiver and the HTTP middleware open a
 SERVER span per request (`server_span`), which the worker's span of a forwarded message, or
-the endpoint's own spans, are children of.
+the endpoint's own spans, are children of; without an SDK's tracer provider (`recording()`)
+they open none and the request's own trace headers pass on as they came.
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ _attached: contextvars.ContextVar[Any] = contextvars.ContextVar("dedupe_run_span
 def available() -> bool:
     """Whether opentelemetry-api is installed."""
     return trace is not None
+
+
+def recording() -> bool:
+    """Whether spans are recorded: a tracer provider other than the API's own (an SDK's) is
+    set. Without one, a SERVER span would only pass the caller's trace context on, which the
+    request's own `traceparent` header already does, so the receiver and the middleware open
+    none (about a tenth of a new webhook's CPU). Asked per request: a provider set later is
+    used from then on."""
+    if trace is None:
+        return False
+    provider = trace.get_tracer_provider()
+    return not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
 def tracer_for(
@@ -290,6 +303,7 @@ __all__ = [
     "annotate_current",
     "asgi_headers",
     "available",
+    "recording",
     "server_span",
     "trace_headers",
     "tracer_for",

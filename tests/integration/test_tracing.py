@@ -20,7 +20,7 @@ import dedupe_rabbitmq as rabbitmq
 from dedupe import App, Context, Worker
 from dedupe.asgi import IdempotencyMiddleware
 from dedupe.claims.store import ClaimStore
-from dedupe.observability.tracing import Tracing
+from dedupe.observability.tracing import Tracing, recording
 from dedupe.pipeline.processor import Processor
 from dedupe.testing.deliveries import MemoryDelivery, make_message
 from dedupe.webhooks import api_key
@@ -261,3 +261,91 @@ async def test_the_middlewares_span_is_the_parent_of_the_endpoints_and_of_its_pu
     finally:
         await conn.close()
     assert headers["traceparent"] == f"00-{PRODUCER_TRACE}-{endpoint.context.span_id:016x}-01"
+
+
+# without a recording tracer provider (no SDK): no span, the caller's trace context passes on
+
+
+def test_spans_are_recorded_only_under_a_provider_other_than_the_apis_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The API's proxy (nothing set) and its no-op provider record nothing; an SDK's does."""
+    for provider, recorded in (
+        (trace.ProxyTracerProvider(), False),
+        (trace.NoOpTracerProvider(), False),
+        (TracerProvider(), True),
+    ):
+        monkeypatch.setattr(trace, "get_tracer_provider", lambda provider=provider: provider)
+        assert recording() is recorded, provider
+
+
+async def test_without_a_recording_provider_the_receiver_forwards_the_callers_trace_context(
+    db_url: str, amqp_url: str, channel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No span is opened, and the forwarded message carries the caller's traceparent and
+    tracestate as they came, so the worker's span (under an SDK of its own) continues the
+    caller's trace all the same."""
+    from dedupe_receiver import create_receiver
+
+    _, exporter = sdk()  # installed, but hidden from the receiver below
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.NoOpTracerProvider)
+    app = App("hooks")
+    app.webhook("shop", verify=api_key({"api-key-1": "tenant-a"}), channel=channel)
+    publisher = RabbitMQPublisher(amqp_url)
+    receiver = create_receiver(app, database_url=db_url, publisher=publisher)
+    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
+    async with serving(receiver) as base, httpx.AsyncClient(base_url=base) as client:
+        response = await client.post(
+            "/webhooks/shop",
+            content=b'{"n": 1}',
+            headers={
+                "content-type": "application/json",
+                "idempotency-key": "w-untraced",
+                "authorization": "Bearer api-key-1",
+                "traceparent": caller,
+                "tracestate": "vendor=1",
+            },
+        )
+    await publisher.close()
+    assert response.status_code == 202, response.text
+    assert not [s for s in exporter.get_finished_spans() if s.name == "dedupe.receive shop"]
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        amqp = await connection.channel()
+        queue = await amqp.declare_queue(channel, passive=True)
+        forwarded = await queue.get(timeout=5)
+        await forwarded.ack()
+    assert (forwarded.headers["traceparent"], forwarded.headers["tracestate"]) == (
+        caller,
+        "vendor=1",
+    )
+
+
+async def test_without_a_recording_provider_the_endpoint_sees_the_callers_trace_context(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind the middleware with no SDK, the endpoint reads the caller's traceparent and
+    the request is served as under a tracer."""
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.NoOpTracerProvider)
+    seen: list[str | None] = []
+    api = FastAPI()
+
+    @api.post("/orders")
+    async def create(request: Request) -> dict[str, str]:
+        seen.append(request.headers.get("traceparent"))
+        return {"id": "o-1"}
+
+    wrapped = IdempotencyMiddleware(
+        api,
+        dedupe_app=App("shop"),
+        database_url=db_url,
+        principal_secret="tracing-test-secret-0123456789",
+    )
+    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
+    async with serving(wrapped) as base, httpx.AsyncClient(base_url=base) as client:
+        headers = {"idempotency-key": "h-untraced", "authorization": "u", "traceparent": caller}
+        first = await client.post("/orders", json={"n": 1}, headers=headers)
+        again = await client.post("/orders", json={"n": 1}, headers=headers)
+    assert (first.status_code, again.status_code) == (200, 200), first.text
+    assert again.headers["idempotent-replayed"] == "true"
+    assert seen == [caller]
