@@ -182,7 +182,9 @@ class Receiver:
         """POST /webhooks/{source}: every outcome a client can cause is a 2xx or a 4xx."""
         return await self._webhook(request, _request_headers(request)[1])
 
-    async def _webhook(self, request: Request, headers: Headers) -> Response:
+    async def _webhook(
+        self, request: Request, headers: Headers, *, traced: bool = False
+    ) -> Response:
         name = request.path_params["source"]
         source = self.app.webhooks.get(name)
         if source is None:
@@ -213,7 +215,7 @@ class Receiver:
                 f"the headers to forward are over {MAX_FORWARDED_HEADER_BYTES} bytes "
                 "(name + value + 32 per header)",
             )
-        return await self._claim(source, identity, forward, body)
+        return await self._claim(source, identity, forward, body, traced=traced)
 
     async def traced_webhook(self, request: Request) -> Response:
         """webhook() in a SERVER span (OpenTelemetry), which the forwarded message carries on;
@@ -225,7 +227,7 @@ class Receiver:
         name = request.path_params["source"]
         attributes = {"dedupe.webhook.source": name, "http.request.method": request.method}
         with tracing.server_span(f"dedupe.receive {name}", first, attributes) as span:
-            response = await self._webhook(request, headers)
+            response = await self._webhook(request, headers, traced=True)
             tracing.annotate(span, **{"http.response.status_code": response.status_code})
             return response
 
@@ -261,14 +263,20 @@ class Receiver:
     # -- claim, publish, store (consumers/dedupe_receiver/intake.py) ------------------------------
 
     async def _claim(
-        self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
+        self,
+        source: WebhookSource,
+        identity: Identity,
+        forward: dict[str, str],
+        body: bytes,
+        *,
+        traced: bool,
     ) -> Response:
         store, publisher = self.store, self.publisher
         if store is None or publisher is None:
             return respond(
                 unavailable("the receiver has not started (lifespan)", slug="not-started")
             )
-        if tracing.recording():
+        if traced:  # in a recording SERVER span (traced_webhook)
             tracing.annotate_current(**{"dedupe.scope": identity.scope, "dedupe.key": identity.key})
             forward = {**forward, **tracing.trace_headers()}  # the worker's span: our child
         intake = self._intake
