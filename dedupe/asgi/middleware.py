@@ -322,7 +322,7 @@ class IdempotencyMiddleware:
         elif not tracing.recording():  # no span to open: the caller's trace headers pass on
             await self._answer(scope, receive, send, _Tally())
         else:
-            tally = _Tally()
+            tally = _Tally(traced=True)
             name = f"dedupe.http {scope['method']}"
             headers = tracing.asgi_headers(scope)
             with tracing.server_span(
@@ -413,7 +413,7 @@ class IdempotencyMiddleware:
         tally: _Tally,
     ) -> tuple[str, str | None]:
         """Run the endpoint under the key's claim, or answer for the claim held elsewhere."""
-        if tracing.recording():
+        if tally.traced:
             tracing.annotate_current(**{"dedupe.scope": request.scope, "dedupe.key": request.key})
         store = await self._store_or_problem()
         if isinstance(store, Problem):
@@ -665,13 +665,15 @@ async def _source_failed(
 
 
 class _Tally:
-    """What a request came to, for the metrics: set as it goes, read when it ends."""
+    """What a request came to, for the metrics: set as it goes, read when it ends; and
+    whether it runs in a recording SERVER span (asked of OpenTelemetry once per request)."""
 
-    __slots__ = ("outcome", "route")
+    __slots__ = ("outcome", "route", "traced")
 
-    def __init__(self) -> None:
+    def __init__(self, *, traced: bool = False) -> None:
         self.outcome = "refused"
         self.route: str | None = None
+        self.traced = traced
 
 
 def _body_first(body: bytes, receive: Receive) -> Receive:
