@@ -61,10 +61,12 @@ class Intake:
     (dedupe.claims.verdicts.Claims), and so do their replies: each published request's claim
     is completed with its reply in a statement it shares with the replies of the requests that
     published while the one before ran (dedupe.claims.batching.Batcher, two in flight, as the
-    workers complete their runs). A reply waits at most `store_timeout_s` for its statement; one
-    that no statement has taken by then is never sent, and either way the message is on the
-    broker: the sender has its 202, and a retry after the lease publishes it again under the
-    same message id, which the worker behind dedupes.
+    workers complete their runs). A shared statement never waits for a row lock held elsewhere
+    (ClaimStore.complete_unlocked skips such a row): that reply alone is then stored in a
+    statement of its own, so one locked row holds up no other request. A reply waits at most
+    `store_timeout_s`; one that no statement has taken by then is never sent, and either way
+    the message is on the broker: the sender has its 202, and a retry after the lease
+    publishes it again under the same message id, which the worker behind dedupes.
     """
 
     store: ClaimStore
@@ -75,17 +77,21 @@ class Intake:
     publish_timeout_s: float
     store_timeout_s: float
     claims: Claims = field(init=False)
-    replies: Batcher[tuple[Fence, str, float], bool] = field(init=False)
+    replies: Batcher[tuple[Fence, str, float], bool | None] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "claims", Claims(self.store))
         object.__setattr__(self, "replies", Batcher(self._complete))
 
-    async def _complete(self, outcomes: Sequence[tuple[Fence, str, float]]) -> list[bool]:
-        """One shared statement: complete these claims with their replies (a reply PostgreSQL
-        refuses is stored as a marker, the others as usual: ClaimStore.complete)."""
-        done = await self.store.complete(outcomes)
-        return [fence.ident in done for fence, _, _ in outcomes]
+    async def _complete(self, outcomes: Sequence[tuple[Fence, str, float]]) -> list[bool | None]:
+        """One shared statement: complete these claims with their replies. Each is True
+        (stored), False (the claim is no longer ours) or None: its row was locked by another
+        transaction, skipped rather than waited for, and left to its own request."""
+        done, locked = await self.store.complete_unlocked(outcomes)
+        return [
+            True if fence.ident in done else None if fence.ident in locked else False
+            for fence, _, _ in outcomes
+        ]
 
     async def claim(
         self, source: WebhookSource, identity: Identity, forward: dict[str, str], body: bytes
@@ -286,9 +292,10 @@ class Intake:
         try:
             async with asyncio.timeout(self.store_timeout_s):
                 # Cancelled by the timeout before a statement takes it, the reply is never sent.
-                [completed] = await self.replies.submit(
-                    [(fence, reply.to_result(), source.retention_s)]
-                )
+                outcome = (fence, reply.to_result(), source.retention_s)
+                [completed] = await self.replies.submit([outcome])
+                if completed is None:  # its row is locked elsewhere: wait for it alone
+                    completed = bool(await self.store.complete([outcome]))
         except Exception as exc:
             # The message is on the broker: accepted is the truth. A retry after the lease
             # publishes it again under the same message id, and the worker dedupes that.

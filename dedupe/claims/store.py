@@ -305,6 +305,32 @@ class ClaimStore:
                     rows += await send([(fence, marker, retention_s)])
         return {KeyId(row["scope"], row["key"]) for row in rows}
 
+    async def complete_unlocked(
+        self, outcomes: Sequence[tuple[Fence, str, float]]
+    ) -> tuple[set[KeyId], set[KeyId]]:
+        """`complete` on its own connection, for callers that must not wait for each other:
+        return the keys completed and the keys skipped because another transaction holds
+        their row locked (the caller completes those alone). An outcome PostgreSQL refuses
+        is counted as skipped, for `complete` to store its marker."""
+        if not outcomes:
+            return set(), set()
+
+        async def send(batch: Sequence[tuple[Fence, str, float]]) -> list[asyncpg.Record]:
+            return await self._fetch(
+                "complete_unlocked",
+                [f.scope for f, _, _ in batch],
+                [f.key for f, _, _ in batch],
+                [f.token for f, _, _ in batch],
+                [result for _, result, _ in batch],
+                [float(retention_s) for _, _, retention_s in batch],
+            )
+
+        rows, refused = await self._each(outcomes, send)
+        done = {KeyId(r["scope"], r["key"]) for r in rows if r["completed"]}
+        skipped = {KeyId(r["scope"], r["key"]) for r in rows if not r["completed"]}
+        skipped.update(fence.ident for (fence, _, _), _ in refused)
+        return done, skipped
+
     async def record_attempt(
         self, fence: Fence, *, attempt: int, error: str | None, lease_s: float
     ) -> int | None:

@@ -174,6 +174,33 @@ UPDATE dedupe_claims AS c
    AND c.status IN ('in_progress', 'completed')
 RETURNING c.scope, c.key;
 
+-- name: complete_unlocked
+-- `complete` for a statement shared by callers that must not wait for each other (the
+-- receiver's replies): a row another transaction holds locked is skipped, not waited for, and
+-- its caller completes it in a statement of its own. Returns each key completed (true) and
+-- each key skipped for its lock (false); a key in neither was not ours to complete.
+WITH i AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::float8[])
+        AS i(scope, key, token, result, retention_s)
+), free AS MATERIALIZED (
+    SELECT c.scope, c.key
+      FROM dedupe_claims AS c JOIN i ON c.scope = i.scope AND c.key = i.key
+       FOR UPDATE OF c SKIP LOCKED
+), done AS (
+    UPDATE dedupe_claims AS c
+       SET status = 'completed', result = i.result::jsonb, lease_until = NULL, error = NULL,
+           updated_at = now(), expires_at = now() + make_interval(secs => i.retention_s)
+      FROM i JOIN free ON free.scope = i.scope AND free.key = i.key
+     WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token
+       AND c.status IN ('in_progress', 'completed')
+    RETURNING c.scope, c.key
+)
+SELECT scope, key, true AS completed FROM done
+UNION ALL
+SELECT i.scope, i.key, false FROM i
+ WHERE NOT EXISTS (SELECT 1 FROM free WHERE free.scope = i.scope AND free.key = i.key)
+   AND EXISTS (SELECT 1 FROM dedupe_claims AS c WHERE c.scope = i.scope AND c.key = i.key);
+
 -- name: record_attempt
 -- Count the next attempt before running it (a retry, or the first run after a take-over), so
 -- crash loops are counted. $4 is the last error, or NULL to keep the one recorded. $6 is the

@@ -133,6 +133,54 @@ async def test_a_reply_that_cannot_be_stored_in_time_is_still_a_prompt_202(
     assert len(publisher.published) == 1
 
 
+async def test_a_locked_reply_row_holds_up_no_other_requests_reply(
+    hooks: App,  # noqa: F811
+    store: ClaimStore,
+    publisher: CountingPublisher,  # noqa: F811
+    locker: asyncpg.Connection,
+) -> None:
+    """One key's row is locked elsewhere while twenty other keys publish beside it: their
+    replies, which share statements with its reply, are stored at once and answered at once;
+    only the locked one waits out the store timeout (then 202 all the same)."""
+    store_timeout_s = 3.0
+    row_locked = asyncio.Event()
+
+    async def lock_one_row() -> None:
+        if not row_locked.is_set():  # the first publish: the locked key's
+            await locker.execute("SELECT 1 FROM dedupe_claims WHERE key = 'k-locked' FOR UPDATE")
+            row_locked.set()
+
+    hooked = HookedPublisher(publisher, lock_one_row)
+    publisher.delay_s = 0.05  # the publishes end together: their replies queue together
+    receiver = create_receiver(
+        hooks, store=store, publisher=hooked, store_timeout_s=store_timeout_s
+    )
+    body = b'{"n":1}'
+    async with client_of(receiver) as http:
+        locked = asyncio.create_task(
+            timed(http.post("/webhooks/orders", content=body, headers=orders_request("k-locked")))
+        )
+        await asyncio.wait_for(row_locked.wait(), 10)  # before the others publish
+        others = await asyncio.gather(
+            *(
+                timed(http.post("/webhooks/orders", content=body, headers=orders_request(f"k-{i}")))
+                for i in range(20)
+            )
+        )
+        assert [r.status_code for r, _ in others] == [202] * 20
+        slowest = max(took for _, took in others)
+        assert slowest < store_timeout_s / 2, f"a reply waited for the locked row: {slowest:.2f} s"
+        replays = [
+            await http.post("/webhooks/orders", content=body, headers=orders_request(f"k-{i}"))
+            for i in range(20)
+        ]
+        assert [r.headers.get("idempotent-replayed") for r in replays] == ["true"] * 20
+        response, took_s = await locked
+    assert response.status_code == 202, response.text
+    assert took_s >= store_timeout_s
+    assert len(publisher.published) == 21
+
+
 async def test_a_release_that_hangs_after_a_failed_publish_is_still_a_prompt_503(
     hooks: App,  # noqa: F811
     store: ClaimStore,
