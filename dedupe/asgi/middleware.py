@@ -320,7 +320,8 @@ class IdempotencyMiddleware:
         elif scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
         elif not tracing.recording():  # no span to open: the caller's trace headers pass on
-            await self._answer(scope, receive, send, _Tally())
+            with tracing.callers_context(tracing.asgi_headers(scope)):  # and its publishes'
+                await self._answer(scope, receive, send, _Tally())
         else:
             tally = _Tally(traced=True)
             name = f"dedupe.http {scope['method']}"

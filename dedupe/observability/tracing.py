@@ -252,6 +252,26 @@ def server_span(
         yield span
 
 
+@contextlib.contextmanager
+def callers_context(headers: Mapping[str, str]) -> Iterator[None]:
+    """Without a recording tracer (no SERVER span): the caller's span context (its
+    `traceparent`) current inside the block, as the API's non-recording span made it, so that
+    what the endpoint publishes (ctx.publish's outbox rows, with_trace_context) and its own code
+    carry the caller's trace on. Nothing without OpenTelemetry or a valid trace context."""
+    if trace is None or propagate is None or otel_context is None:
+        yield
+        return
+    span = trace.get_current_span(propagate.extract(dict(headers)))
+    if not span.get_span_context().is_valid:
+        yield
+        return
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 def annotate(span: Any, **attributes: Any) -> None:
     """Set attributes on `span` (from server_span; None: nothing), leaving out None values."""
     if span is not None and span.is_recording():
@@ -303,6 +323,7 @@ __all__ = [
     "annotate_current",
     "asgi_headers",
     "available",
+    "callers_context",
     "recording",
     "server_span",
     "trace_headers",

@@ -349,3 +349,51 @@ async def test_without_a_recording_provider_the_endpoint_sees_the_callers_trace_
     assert (first.status_code, again.status_code) == (200, 200), first.text
     assert again.headers["idempotent-replayed"] == "true"
     assert seen == [caller]
+
+
+async def test_without_a_recording_provider_the_endpoints_publishes_carry_the_callers_trace(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind the middleware with no SDK, what the endpoint publishes still carries the
+    caller's trace context through the outbox, as the API's non-recording span passed it on,
+    so the worker behind (with an SDK of its own) continues the caller's trace."""
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.NoOpTracerProvider)
+    current: list[str] = []
+    api = FastAPI()
+
+    @api.post("/orders")
+    async def create(request: Request) -> dict[str, str]:
+        current.append(format(trace.get_current_span().get_span_context().trace_id, "032x"))
+        await request.state.idempotency.publish("orders.created", {"id": "o-1"})
+        return {"id": "o-1"}
+
+    wrapped = IdempotencyMiddleware(
+        api,
+        dedupe_app=App("shop"),
+        database_url=db_url,
+        principal_secret="tracing-test-secret-0123456789",
+    )
+    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
+    async with serving(wrapped) as base, httpx.AsyncClient(base_url=base) as client:
+        response = await client.post(
+            "/orders",
+            json={"n": 1},
+            headers={
+                "idempotency-key": "h-untraced-publish",
+                "authorization": "u",
+                "traceparent": caller,
+                "tracestate": "vendor=1",
+            },
+        )
+    assert response.status_code == 200, response.text
+    assert current == [PRODUCER_TRACE]
+    conn = await asyncpg.connect(db_url)
+    try:
+        headers = json.loads(
+            await conn.fetchval(
+                "SELECT headers FROM dedupe_outbox WHERE channel = 'orders.created'"
+            )
+        )
+    finally:
+        await conn.close()
+    assert (headers.get("traceparent"), headers.get("tracestate")) == (caller, "vendor=1")
