@@ -89,7 +89,7 @@ class Intake:
         transaction, skipped rather than waited for, and left to its own request."""
         done, locked = await self.store.complete_unlocked(outcomes)
         return [
-            True if fence.ident in done else None if fence.ident in locked else False
+            True if fence in done else None if fence in locked else False
             for fence, _, _ in outcomes
         ]
 

@@ -307,11 +307,13 @@ class ClaimStore:
 
     async def complete_unlocked(
         self, outcomes: Sequence[tuple[Fence, str, float]]
-    ) -> tuple[set[KeyId], set[KeyId]]:
+    ) -> tuple[set[Fence], set[Fence]]:
         """`complete` on its own connection, for callers that must not wait for each other:
-        return the keys completed and the keys skipped because another transaction holds
-        their row locked (the caller completes those alone). An outcome PostgreSQL refuses
-        is counted as skipped, for `complete` to store its marker."""
+        return the claims completed and the claims skipped because another transaction holds
+        their row locked (the caller completes those alone). Claims, not keys: a lapsed
+        claim's outcome beside its new owner's in one statement is told apart by its token.
+        An outcome PostgreSQL refuses is counted as skipped, for `complete` to store its
+        marker."""
         if not outcomes:
             return set(), set()
 
@@ -326,9 +328,9 @@ class ClaimStore:
             )
 
         rows, refused = await self._each(outcomes, send)
-        done = {KeyId(r["scope"], r["key"]) for r in rows if r["completed"]}
-        skipped = {KeyId(r["scope"], r["key"]) for r in rows if not r["completed"]}
-        skipped.update(fence.ident for (fence, _, _), _ in refused)
+        done = {Fence(r["scope"], r["key"], r["token"]) for r in rows if r["completed"]}
+        skipped = {Fence(r["scope"], r["key"], r["token"]) for r in rows if not r["completed"]}
+        skipped.update(fence for (fence, _, _), _ in refused)
         return done, skipped
 
     async def record_attempt(

@@ -177,8 +177,9 @@ RETURNING c.scope, c.key;
 -- name: complete_unlocked
 -- `complete` for a statement shared by callers that must not wait for each other (the
 -- receiver's replies): a row another transaction holds locked is skipped, not waited for, and
--- its caller completes it in a statement of its own. Returns each key completed (true) and
--- each key skipped for its lock (false); a key in neither was not ours to complete.
+-- its caller completes it in a statement of its own. Returns each claim (key and token)
+-- completed (true) and each skipped for its lock (false); one in neither was not ours to
+-- complete (the token tells a lapsed claim's outcome from its new owner's in one statement).
 WITH i AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::float8[])
         AS i(scope, key, token, result, retention_s)
@@ -193,11 +194,11 @@ WITH i AS (
       FROM i JOIN free ON free.scope = i.scope AND free.key = i.key
      WHERE c.scope = i.scope AND c.key = i.key AND c.token = i.token
        AND c.status IN ('in_progress', 'completed')
-    RETURNING c.scope, c.key
+    RETURNING c.scope, c.key, c.token
 )
-SELECT scope, key, true AS completed FROM done
+SELECT scope, key, token, true AS completed FROM done
 UNION ALL
-SELECT i.scope, i.key, false FROM i
+SELECT i.scope, i.key, i.token, false FROM i
  WHERE NOT EXISTS (SELECT 1 FROM free WHERE free.scope = i.scope AND free.key = i.key)
    AND EXISTS (SELECT 1 FROM dedupe_claims AS c WHERE c.scope = i.scope AND c.key = i.key);
 

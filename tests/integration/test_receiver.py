@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -434,13 +435,13 @@ async def test_concurrent_new_keys_store_their_replies_in_shared_statements(
     than requests (each statement carries what queued while the one before ran), and each key
     replays its own reply, byte for byte."""
     statements: list[int] = []
-    complete = store.complete
+    complete = store.complete_unlocked
 
-    async def counted(outcomes: Sequence[Any], **kwargs: Any) -> set[Any]:
+    async def counted(outcomes: Sequence[Any], **kwargs: Any) -> Any:
         statements.append(len(outcomes))
         return await complete(outcomes, **kwargs)
 
-    monkeypatch.setattr(store, "complete", counted)
+    monkeypatch.setattr(store, "complete_unlocked", counted)
     publisher.delay_s = 0.05  # the publishes end together, so their replies queue together
     receiver = create_receiver(hooks, store=store, publisher=publisher)
     transport = httpx.ASGITransport(app=receiver)
@@ -465,6 +466,38 @@ async def test_concurrent_new_keys_store_their_replies_in_shared_statements(
     ] * 40
     assert [r.content for r in again] == [r.content for r in first]
     assert len(publisher.published) == 40
+
+
+async def test_a_taken_over_reply_sharing_a_statement_with_the_new_owners_is_not_completed(
+    store: ClaimStore, publisher: CountingPublisher, db: asyncpg.Connection
+) -> None:
+    """A request whose lease lapsed and the request that took its key over store their
+    replies in the same statement: only the new owner's completes, and the stale one is told
+    so (its "taken over" line), not that its reply was stored."""
+    from dedupe.claims.records import Fence
+    from dedupe.observability.metrics import Metrics
+    from dedupe_receiver.intake import Intake
+
+    intake = Intake(
+        store=store,
+        publisher=publisher,
+        activity=None,
+        stats=collections.Counter(),
+        metrics=Metrics(),
+        publish_timeout_s=1.0,
+        store_timeout_s=3.0,
+    )
+    [lapsed] = await store.claim_batch([ClaimRequest("s", "k", b"h")], lease_s=0.2, retention_s=60)
+    await asyncio.sleep(0.4)
+    [owner] = await store.claim_batch([ClaimRequest("s", "k", b"h")], lease_s=30, retention_s=60)
+    assert owner.owned and owner.token != lapsed.token
+    stale, fresh = Fence("s", "k", lapsed.token or 0), Fence("s", "k", owner.token or 0)
+    results = await asyncio.gather(  # submitted in one tick: one statement carries both
+        intake.replies.submit([(stale, '{"stale": 1}', 60.0)]),
+        intake.replies.submit([(fresh, '{"fresh": 1}', 60.0)]),
+    )
+    assert results == [[False], [True]]
+    assert json.loads(await db.fetchval("SELECT result FROM dedupe_claims")) == {"fresh": 1}
 
 
 async def test_a_standard_webhook_with_a_non_ascii_id_is_accepted_under_that_id(
