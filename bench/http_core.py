@@ -28,9 +28,9 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -40,6 +40,7 @@ BODY = json.dumps({"sku": "bench", "quantity": 1}).encode()
 TOKEN = b"Bearer bench-token"
 SECRET = "bench-only-principal-secret"
 MODES = ("bare", "two", "one")
+T = TypeVar("T")
 
 
 def make_api(mode: str, url: str) -> Any:
@@ -90,6 +91,13 @@ async def call(app: Any, state: dict[str, Any], key: bytes | None) -> int:
     ]
     if key is not None:
         headers.append((b"idempotency-key", key))
+    return await post(app, state, "/orders", headers, BODY)
+
+
+async def post(
+    app: Any, state: dict[str, Any], path: str, headers: list[tuple[bytes, bytes]], body: bytes
+) -> int:
+    """One POST of `body` to `path` as uvicorn would pass it to the ASGI app; its status."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.4"},
@@ -99,8 +107,8 @@ async def call(app: Any, state: dict[str, Any], key: bytes | None) -> int:
         "scheme": "http",
         "method": "POST",
         "root_path": "",
-        "path": "/orders",
-        "raw_path": b"/orders",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "headers": headers,
         "state": dict(state),
@@ -113,7 +121,7 @@ async def call(app: Any, state: dict[str, Any], key: bytes | None) -> int:
         nonlocal received
         if not received:
             received = True
-            return {"type": "http.request", "body": BODY, "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
         await done
         return {"type": "http.disconnect"}
 
@@ -138,25 +146,33 @@ async def phase(
     app: Any, state: dict[str, Any], keys: list[bytes | None], concurrency: int
 ) -> dict[str, Any]:
     """The requests, `concurrency` at a time: CPU µs per request, rate, statuses."""
-    todo: Iterator[bytes | None] = iter(keys)
+    return await timed(keys, concurrency, lambda key: call(app, state, key))
+
+
+async def timed(
+    items: Sequence[T], concurrency: int, one: Callable[[T], Awaitable[int]]
+) -> dict[str, Any]:
+    """`one(item)` for every item, `concurrency` at a time: this process's CPU µs per item,
+    the rate and the statuses answered."""
+    todo: Iterator[T] = iter(items)
     statuses: dict[int, int] = {}
 
     async def worker() -> None:
-        for key in todo:
-            status = await call(app, state, key)
+        for item in todo:
+            status = await one(item)
             statuses[status] = statuses.get(status, 0) + 1
 
     before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
     user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
-    n = len(keys)
+    n = len(items)
     return {
         "cpu_us": round((user + system) / n * 1e6, 1),
         "sys_us": round(system / n * 1e6, 1),
         # Sleeps of the process per request (in epoll_wait, waiting for PostgreSQL).
         "wakeups": round((after.ru_nvcsw - before.ru_nvcsw) / n, 2),
-        "rate": round(len(keys) / wall),
+        "rate": round(n / wall),
         "statuses": statuses,
     }
 

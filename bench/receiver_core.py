@@ -24,7 +24,6 @@ import io
 import json
 import os
 import pstats
-import resource
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.http_core import Lifespan  # noqa: E402
+from bench.http_core import Lifespan, post, timed  # noqa: E402
 from bench.receiver import BODY, GITHUB_SECRET, SIGNATURE  # noqa: E402
 
 MODES = ("hand", "receiver")
@@ -54,73 +53,14 @@ async def call(app: Any, state: dict[str, Any], delivery: bytes) -> int:
         (b"x-github-delivery", delivery),
         (b"x-hub-signature-256", f"sha256={SIGNATURE}".encode()),
     ]
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "server": ("127.0.0.1", 8080),
-        "client": ("127.0.0.1", 50000),
-        "scheme": "http",
-        "method": "POST",
-        "root_path": "",
-        "path": "/webhooks/github",
-        "raw_path": b"/webhooks/github",
-        "query_string": b"",
-        "headers": headers,
-        "state": dict(state),
-    }
-    done = asyncio.get_running_loop().create_future()
-    received = False
-    status = 0
-
-    async def receive() -> dict[str, Any]:
-        nonlocal received
-        if not received:
-            received = True
-            return {"type": "http.request", "body": BODY, "more_body": False}
-        await done
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body" and not message.get("more_body"):
-            _settle(done)
-
-    await app(scope, receive, send)
-    _settle(done)
-    return status
-
-
-def _settle(done: asyncio.Future[None]) -> None:
-    if not done.done():
-        done.set_result(None)
+    return await post(app, state, "/webhooks/github", headers, BODY)
 
 
 async def phase(
     app: Any, state: dict[str, Any], deliveries: list[bytes], concurrency: int
 ) -> dict[str, Any]:
     """The requests, `concurrency` at a time: CPU µs per request, rate, statuses."""
-    todo: Iterator[bytes] = iter(deliveries)
-    statuses: dict[int, int] = {}
-
-    async def worker() -> None:
-        for delivery in todo:
-            status = await call(app, state, delivery)
-            statuses[status] = statuses.get(status, 0) + 1
-
-    before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
-    user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
-    n = len(deliveries)
-    return {
-        "cpu_us": round((user + system) / n * 1e6, 1),
-        "sys_us": round(system / n * 1e6, 1),
-        "rate": round(n / wall),
-        "statuses": statuses,
-    }
+    return await timed(deliveries, concurrency, lambda delivery: call(app, state, delivery))
 
 
 def make_app(mode: str, db_url: str, broker: str, prefix: str) -> Any:

@@ -47,6 +47,17 @@ class ValueRefused(StoreError):
     """PostgreSQL refused a value of the statement (not the connection, not the statement)."""
 
 
+def _outcome_columns(outcomes: Sequence[tuple[Fence, str, float]]) -> tuple[list[Any], ...]:
+    """(fence, result, retention_s) outcomes as the completion statements' five arrays."""
+    return (
+        [f.scope for f, _, _ in outcomes],
+        [f.key for f, _, _ in outcomes],
+        [f.token for f, _, _ in outcomes],
+        [result for _, result, _ in outcomes],
+        [float(retention_s) for _, _, retention_s in outcomes],
+    )
+
+
 class ClaimStore:
     """Claims, leases, outcomes and clean-up on one asyncpg pool."""
 
@@ -278,15 +289,7 @@ class ClaimStore:
             return set()
 
         async def send(batch: Sequence[tuple[Fence, str, float]]) -> list[asyncpg.Record]:
-            return await self._fetch(
-                "complete",
-                [f.scope for f, _, _ in batch],
-                [f.key for f, _, _ in batch],
-                [f.token for f, _, _ in batch],
-                [result for _, result, _ in batch],
-                [float(retention_s) for _, _, retention_s in batch],
-                conn=conn,
-            )
+            return await self._fetch("complete", *_outcome_columns(batch), conn=conn)
 
         if conn is not None:
             rows = await send(outcomes)
@@ -318,14 +321,7 @@ class ClaimStore:
             return set(), set()
 
         async def send(batch: Sequence[tuple[Fence, str, float]]) -> list[asyncpg.Record]:
-            return await self._fetch(
-                "complete_unlocked",
-                [f.scope for f, _, _ in batch],
-                [f.key for f, _, _ in batch],
-                [f.token for f, _, _ in batch],
-                [result for _, result, _ in batch],
-                [float(retention_s) for _, _, retention_s in batch],
-            )
+            return await self._fetch("complete_unlocked", *_outcome_columns(batch))
 
         rows, refused = await self._each(outcomes, send)
         done = {Fence(r["scope"], r["key"], r["token"]) for r in rows if r["completed"]}

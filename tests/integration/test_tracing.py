@@ -175,44 +175,55 @@ async def test_a_chain_is_one_trace_through_the_outbox_with_the_handlers_spans_i
     assert app.hooks == []  # the worker took its tracing hook off again
 
 
-async def test_the_receivers_span_continues_the_callers_and_is_the_parent_of_the_workers(
-    db_url: str, amqp_url: str, channel: str
-) -> None:
-    """A webhook request gets a SERVER span, a child of the caller's traceparent; the message
-    it forwards carries the receiver span's traceparent, not the caller's."""
+async def through_the_receiver(
+    db_url: str, amqp_url: str, channel: str, key: str, trace_headers: dict[str, str]
+) -> tuple[httpx.Response, aio_pika.abc.AbstractIncomingMessage]:
+    """One webhook request with these trace headers through a receiver serving HTTP; its
+    answer and the message it forwarded (taken off the channel's queue)."""
     from dedupe_receiver import create_receiver
 
-    _, exporter = sdk()
     app = App("hooks")
     app.webhook("shop", verify=api_key({"api-key-1": "tenant-a"}), channel=channel)
     publisher = RabbitMQPublisher(amqp_url)
     receiver = create_receiver(app, database_url=db_url, publisher=publisher)
-    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
     async with serving(receiver) as base, httpx.AsyncClient(base_url=base) as client:
         response = await client.post(
             "/webhooks/shop",
             content=b'{"n": 1}',
             headers={
                 "content-type": "application/json",
-                "idempotency-key": "w-1",
+                "idempotency-key": key,
                 "authorization": "Bearer api-key-1",
-                "traceparent": caller,
+                **trace_headers,
             },
         )
     await publisher.close()
     assert response.status_code == 202, response.text
-    [span] = [s for s in exporter.get_finished_spans() if s.name == "dedupe.receive shop"]
-    assert span.kind is trace.SpanKind.SERVER
-    assert format(span.context.trace_id, "032x") == PRODUCER_TRACE
-    assert parent_of(span) == 0x00F067AA0BA902B7
-    assert span.attributes["dedupe.key"] == "w-1"
-    assert span.attributes["http.response.status_code"] == 202
     connection = await aio_pika.connect(amqp_url)
     async with connection:
         amqp = await connection.channel()
         queue = await amqp.declare_queue(channel, passive=True)
         forwarded = await queue.get(timeout=5)
         await forwarded.ack()
+    return response, forwarded
+
+
+async def test_the_receivers_span_continues_the_callers_and_is_the_parent_of_the_workers(
+    db_url: str, amqp_url: str, channel: str
+) -> None:
+    """A webhook request gets a SERVER span, a child of the caller's traceparent; the message
+    it forwards carries the receiver span's traceparent, not the caller's."""
+    _, exporter = sdk()
+    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
+    _, forwarded = await through_the_receiver(
+        db_url, amqp_url, channel, "w-1", {"traceparent": caller}
+    )
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "dedupe.receive shop"]
+    assert span.kind is trace.SpanKind.SERVER
+    assert format(span.context.trace_id, "032x") == PRODUCER_TRACE
+    assert parent_of(span) == 0x00F067AA0BA902B7
+    assert span.attributes["dedupe.key"] == "w-1"
+    assert span.attributes["http.response.status_code"] == 202
     assert forwarded.headers["traceparent"] == (
         f"00-{PRODUCER_TRACE}-{span.context.span_id:016x}-01"
     )
@@ -285,36 +296,13 @@ async def test_without_a_recording_provider_the_receiver_forwards_the_callers_tr
     """No span is opened, and the forwarded message carries the caller's traceparent and
     tracestate as they came, so the worker's span (under an SDK of its own) continues the
     caller's trace all the same."""
-    from dedupe_receiver import create_receiver
-
     _, exporter = sdk()  # installed, but hidden from the receiver below
     monkeypatch.setattr(trace, "get_tracer_provider", trace.NoOpTracerProvider)
-    app = App("hooks")
-    app.webhook("shop", verify=api_key({"api-key-1": "tenant-a"}), channel=channel)
-    publisher = RabbitMQPublisher(amqp_url)
-    receiver = create_receiver(app, database_url=db_url, publisher=publisher)
     caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
-    async with serving(receiver) as base, httpx.AsyncClient(base_url=base) as client:
-        response = await client.post(
-            "/webhooks/shop",
-            content=b'{"n": 1}',
-            headers={
-                "content-type": "application/json",
-                "idempotency-key": "w-untraced",
-                "authorization": "Bearer api-key-1",
-                "traceparent": caller,
-                "tracestate": "vendor=1",
-            },
-        )
-    await publisher.close()
-    assert response.status_code == 202, response.text
+    _, forwarded = await through_the_receiver(
+        db_url, amqp_url, channel, "w-untraced", {"traceparent": caller, "tracestate": "vendor=1"}
+    )
     assert not [s for s in exporter.get_finished_spans() if s.name == "dedupe.receive shop"]
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        amqp = await connection.channel()
-        queue = await amqp.declare_queue(channel, passive=True)
-        forwarded = await queue.get(timeout=5)
-        await forwarded.ack()
     assert (forwarded.headers["traceparent"], forwarded.headers["tracestate"]) == (
         caller,
         "vendor=1",
