@@ -220,6 +220,27 @@ async def measure(args: argparse.Namespace, profiler: Any) -> dict[str, Any]:
     return {"code": str(Path(dedupe.__file__).parent), "n": args.n, "medians": medians}
 
 
+@contextlib.contextmanager
+def cpu_cprofile() -> Iterator[cProfile.Profile]:
+    """A cProfile of the block on the process's CPU clock: the waits on PostgreSQL and the
+    broker are not the process's cost."""
+    profile = cProfile.Profile(time.process_time)
+    profile.enable()
+    try:
+        yield profile
+    finally:
+        profile.disable()
+
+
+def write_cprofile(profile: cProfile.Profile, out: io.StringIO, dump: str) -> None:
+    """A cProfile's top functions by own time and by cumulative time into `out`; the raw
+    profile into `dump` (for pstats' callers)."""
+    stats = pstats.Stats(profile, stream=out)
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats(120)
+    profile.dump_stats(dump)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2000, help="requests per phase")
@@ -244,12 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     def profiled(mode: str) -> Iterator[None]:
         # CPU time, not wall time: the waits on PostgreSQL are not the process's cost.
         if args.profiler == "cprofile":
-            profile = cProfile.Profile(time.process_time)
-            profile.enable()
-            try:
+            with cpu_cprofile() as profile:
                 yield
-            finally:
-                profile.disable()
         else:
             from pyinstrument import Profiler
             from pyinstrument.stack_sampler import get_stack_sampler
@@ -269,10 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         for mode, profile in profiles:
             out.write(f"== {mode}: {'requests' if mode == 'bare' else 'new keys then replays'}\n")
             if isinstance(profile, cProfile.Profile):
-                stats = pstats.Stats(profile, stream=out)
-                stats.sort_stats("tottime").print_stats(60)
-                stats.sort_stats("cumulative").print_stats(120)
-                profile.dump_stats(f"{args.profile}.{mode}.prof")  # for pstats' callers
+                write_cprofile(profile, out, f"{args.profile}.{mode}.prof")
             else:
                 out.write(profile.output_text(unicode=False, show_all=args.profile_all))
         Path(args.profile).write_text(out.getvalue())

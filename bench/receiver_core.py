@@ -23,10 +23,8 @@ import cProfile
 import io
 import json
 import os
-import pstats
 import statistics
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.http_core import Lifespan, post, timed  # noqa: E402
+from bench.http_core import Lifespan, cpu_cprofile, post, timed, write_cprofile  # noqa: E402
 from bench.receiver import BODY, GITHUB_SECRET, SIGNATURE  # noqa: E402
 
 MODES = ("hand", "receiver")
@@ -158,12 +156,8 @@ def main(argv: list[str] | None = None) -> None:
 
     @contextlib.contextmanager
     def profiled(mode: str) -> Iterator[None]:
-        profile = cProfile.Profile(time.process_time)  # CPU time: waits are not the cost
-        profile.enable()
-        try:
+        with cpu_cprofile() as profile:
             yield
-        finally:
-            profile.disable()
         profiles.append((mode, profile))
 
     report = asyncio.run(measure(args, profiled if args.profile else None))
@@ -171,10 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         out = io.StringIO()
         for mode, profile in profiles:
             out.write(f"== {mode}: new deliveries then replays\n")
-            stats = pstats.Stats(profile, stream=out)
-            stats.sort_stats("tottime").print_stats(60)
-            stats.sort_stats("cumulative").print_stats(120)
-            profile.dump_stats(f"{args.profile}.{mode}.prof")
+            write_cprofile(profile, out, f"{args.profile}.{mode}.prof")
         Path(args.profile).write_text(out.getvalue())
     print(json.dumps(report, indent=2))
 

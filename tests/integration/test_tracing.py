@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import aio_pika
 import asyncpg
@@ -29,6 +30,7 @@ from tests.conftest import delete_channel_everywhere, eventually
 from tests.integration.http_server import serving
 
 PRODUCER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"  # a caller's traceparent
 
 
 def delivery(key: str, body: str = '{"n": 1}', trace: str | None = None) -> MemoryDelivery:
@@ -214,9 +216,8 @@ async def test_the_receivers_span_continues_the_callers_and_is_the_parent_of_the
     """A webhook request gets a SERVER span, a child of the caller's traceparent; the message
     it forwards carries the receiver span's traceparent, not the caller's."""
     _, exporter = sdk()
-    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
     _, forwarded = await through_the_receiver(
-        db_url, amqp_url, channel, "w-1", {"traceparent": caller}
+        db_url, amqp_url, channel, "w-1", {"traceparent": CALLER}
     )
     [span] = [s for s in exporter.get_finished_spans() if s.name == "dedupe.receive shop"]
     assert span.kind is trace.SpanKind.SERVER
@@ -229,6 +230,35 @@ async def test_the_receivers_span_continues_the_callers_and_is_the_parent_of_the
     )
 
 
+async def through_the_middleware(
+    db_url: str, endpoint: Any, key: str, *, tracestate: str | None = None, times: int = 1
+) -> list[httpx.Response]:
+    """POST /orders `times` with the caller's traceparent (and `tracestate`) to `endpoint`
+    behind the middleware, served over HTTP; the answers."""
+    api = FastAPI()
+    api.post("/orders")(endpoint)
+    wrapped = IdempotencyMiddleware(
+        api,
+        dedupe_app=App("shop"),
+        database_url=db_url,
+        principal_secret="tracing-test-secret-0123456789",
+    )
+    headers = {"idempotency-key": key, "authorization": "u", "traceparent": CALLER}
+    if tracestate is not None:
+        headers["tracestate"] = tracestate
+    async with serving(wrapped) as base, httpx.AsyncClient(base_url=base) as client:
+        return [await client.post("/orders", json={"n": 1}, headers=headers) for _ in range(times)]
+
+
+async def outbox_headers(db_url: str, channel: str) -> dict[str, str]:
+    conn = await asyncpg.connect(db_url)
+    try:
+        row = await conn.fetchval("SELECT headers FROM dedupe_outbox WHERE channel = $1", channel)
+    finally:
+        await conn.close()
+    return dict(json.loads(row))
+
+
 async def test_the_middlewares_span_is_the_parent_of_the_endpoints_and_of_its_publishes(
     db_url: str,
 ) -> None:
@@ -236,27 +266,13 @@ async def test_the_middlewares_span_is_the_parent_of_the_endpoints_and_of_its_pu
     span is its child, and what the endpoint publishes carries it on through the outbox."""
     provider, exporter = sdk()
     user_tracer = provider.get_tracer("the-users-code")
-    api = FastAPI()
 
-    @api.post("/orders")
     async def create(request: Request) -> dict[str, str]:
         with user_tracer.start_as_current_span("user.create_order"):
             await request.state.idempotency.publish("orders.created", {"id": "o-1"})
         return {"id": "o-1"}
 
-    wrapped = IdempotencyMiddleware(
-        api,
-        dedupe_app=App("shop"),
-        database_url=db_url,
-        principal_secret="tracing-test-secret-0123456789",
-    )
-    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
-    async with serving(wrapped) as base, httpx.AsyncClient(base_url=base) as client:
-        response = await client.post(
-            "/orders",
-            json={"n": 1},
-            headers={"idempotency-key": "h-1", "authorization": "u", "traceparent": caller},
-        )
+    [response] = await through_the_middleware(db_url, create, "h-1")
     assert response.status_code == 200, response.text
     spans = {s.name: s for s in exporter.get_finished_spans()}
     span = spans["dedupe.http POST"]
@@ -266,11 +282,7 @@ async def test_the_middlewares_span_is_the_parent_of_the_endpoints_and_of_its_pu
     assert span.attributes["dedupe.outcome"] == "new"
     endpoint = spans["user.create_order"]
     assert span.context.span_id in ancestors(endpoint, exporter.get_finished_spans())
-    conn = await asyncpg.connect(db_url)
-    try:
-        headers = json.loads(await conn.fetchval("SELECT headers FROM dedupe_outbox"))
-    finally:
-        await conn.close()
+    headers = await outbox_headers(db_url, "orders.created")
     assert headers["traceparent"] == f"00-{PRODUCER_TRACE}-{endpoint.context.span_id:016x}-01"
 
 
@@ -298,13 +310,12 @@ async def test_without_a_recording_provider_the_receiver_forwards_the_callers_tr
     caller's trace all the same."""
     _, exporter = sdk()  # installed, but hidden from the receiver below
     monkeypatch.setattr(trace, "get_tracer_provider", trace.NoOpTracerProvider)
-    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
     _, forwarded = await through_the_receiver(
-        db_url, amqp_url, channel, "w-untraced", {"traceparent": caller, "tracestate": "vendor=1"}
+        db_url, amqp_url, channel, "w-untraced", {"traceparent": CALLER, "tracestate": "vendor=1"}
     )
     assert not [s for s in exporter.get_finished_spans() if s.name == "dedupe.receive shop"]
     assert (forwarded.headers["traceparent"], forwarded.headers["tracestate"]) == (
-        caller,
+        CALLER,
         "vendor=1",
     )
 
@@ -316,27 +327,15 @@ async def test_without_a_recording_provider_the_endpoint_sees_the_callers_trace_
     the request is served as under a tracer."""
     monkeypatch.setattr(trace, "get_tracer_provider", trace.NoOpTracerProvider)
     seen: list[str | None] = []
-    api = FastAPI()
 
-    @api.post("/orders")
     async def create(request: Request) -> dict[str, str]:
         seen.append(request.headers.get("traceparent"))
         return {"id": "o-1"}
 
-    wrapped = IdempotencyMiddleware(
-        api,
-        dedupe_app=App("shop"),
-        database_url=db_url,
-        principal_secret="tracing-test-secret-0123456789",
-    )
-    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
-    async with serving(wrapped) as base, httpx.AsyncClient(base_url=base) as client:
-        headers = {"idempotency-key": "h-untraced", "authorization": "u", "traceparent": caller}
-        first = await client.post("/orders", json={"n": 1}, headers=headers)
-        again = await client.post("/orders", json={"n": 1}, headers=headers)
+    first, again = await through_the_middleware(db_url, create, "h-untraced", times=2)
     assert (first.status_code, again.status_code) == (200, 200), first.text
     assert again.headers["idempotent-replayed"] == "true"
-    assert seen == [caller]
+    assert seen == [CALLER]
 
 
 async def test_without_a_recording_provider_the_endpoints_publishes_carry_the_callers_trace(
@@ -347,41 +346,16 @@ async def test_without_a_recording_provider_the_endpoints_publishes_carry_the_ca
     so the worker behind (with an SDK of its own) continues the caller's trace."""
     monkeypatch.setattr(trace, "get_tracer_provider", trace.NoOpTracerProvider)
     current: list[str] = []
-    api = FastAPI()
 
-    @api.post("/orders")
     async def create(request: Request) -> dict[str, str]:
         current.append(format(trace.get_current_span().get_span_context().trace_id, "032x"))
         await request.state.idempotency.publish("orders.created", {"id": "o-1"})
         return {"id": "o-1"}
 
-    wrapped = IdempotencyMiddleware(
-        api,
-        dedupe_app=App("shop"),
-        database_url=db_url,
-        principal_secret="tracing-test-secret-0123456789",
+    [response] = await through_the_middleware(
+        db_url, create, "h-untraced-publish", tracestate="vendor=1"
     )
-    caller = f"00-{PRODUCER_TRACE}-00f067aa0ba902b7-01"
-    async with serving(wrapped) as base, httpx.AsyncClient(base_url=base) as client:
-        response = await client.post(
-            "/orders",
-            json={"n": 1},
-            headers={
-                "idempotency-key": "h-untraced-publish",
-                "authorization": "u",
-                "traceparent": caller,
-                "tracestate": "vendor=1",
-            },
-        )
     assert response.status_code == 200, response.text
     assert current == [PRODUCER_TRACE]
-    conn = await asyncpg.connect(db_url)
-    try:
-        headers = json.loads(
-            await conn.fetchval(
-                "SELECT headers FROM dedupe_outbox WHERE channel = 'orders.created'"
-            )
-        )
-    finally:
-        await conn.close()
-    assert (headers.get("traceparent"), headers.get("tracestate")) == (caller, "vendor=1")
+    headers = await outbox_headers(db_url, "orders.created")
+    assert (headers.get("traceparent"), headers.get("tracestate")) == (CALLER, "vendor=1")
