@@ -121,6 +121,9 @@ class KafkaTransport(Transport):
         self.retries = Retries(lambda: self._producer)
         self._channels: frozenset[str] = frozenset()
         self.rebalances = 0
+        # A revoke and the shutdown each take partitions away and commit them: one at a time,
+        # so that neither stops the consumer under the other's commit.
+        self._handing_over = asyncio.Lock()
 
     @property
     def assignment(self) -> frozenset[TopicPartition]:
@@ -195,16 +198,19 @@ class KafkaTransport(Transport):
             self._stopping = True
             committer.cancel()
             await asyncio.gather(committer, return_exceptions=True)
-            work = list(self._partitions.values())
-            for partition in work:
-                partition.close()
-            if await _wait_idle(work, self._shutdown_timeout_s):
-                logger.warning("partitions still busy at shutdown; their offsets stay behind")
-            await self._commit(work)
-            self._partitions.clear()
-            self._consumer = None
+            # A revoke under way (the group rebalancing as we stop) commits its partitions
+            # first: the consumer stays ours until then.
+            async with self._handing_over:
+                work = list(self._partitions.values())
+                for partition in work:
+                    partition.close()
+                if await _wait_idle(work, self._shutdown_timeout_s):
+                    logger.warning("partitions still busy at shutdown; their offsets stay behind")
+                await self._commit(work)
+                self._partitions.clear()
             with contextlib.suppress(Exception):
                 await consumer.stop()  # leaves the group: the others take over at once
+            self._consumer = None
 
     def _dispatch(
         self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: list[ConsumerRecord]
@@ -245,6 +251,10 @@ class KafkaTransport(Transport):
     async def revoke(self, revoked: set[TopicPartition]) -> None:
         """Stop starting work on revoked partitions (their claimed deliveries not yet running
         are withdrawn: given back), let the runs under way finish (bounded), commit."""
+        async with self._handing_over:
+            await self._hand_over(revoked)
+
+    async def _hand_over(self, revoked: set[TopicPartition]) -> None:
         work = [self._partitions.pop(tp) for tp in revoked if tp in self._partitions]
         if not work:
             return

@@ -8,7 +8,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiokafka
@@ -22,6 +22,7 @@ from dedupe import App, Context
 from dedupe.claims.records import ClaimRequest, Fence
 from dedupe.claims.store import ClaimStore
 from dedupe.pipeline.processor import Processor
+from dedupe.transport import Action, Delivery, Settlement
 from dedupe_kafka.publisher import KafkaPublisher
 from dedupe_kafka.transport import KafkaTransport
 from tests.conftest import eventually, running
@@ -440,6 +441,41 @@ async def test_a_revoke_gives_back_the_claims_no_handler_runs_yet_and_waits_only
         await eventually(all_done, timeout_s=60)
     assert sorted(calls) == list(range(count))  # each key's handler ran once, none twice
     assert await db.fetchval("SELECT max(attempts) FROM dedupe_claims") == 1
+
+
+async def test_a_stop_during_a_revoke_waits_for_the_revokes_commit(
+    kafka_url: str, channel: str
+) -> None:
+    """The group rebalances as the worker stops (another member left): the revoke under way
+    commits what its partitions finished before the consumer stops, and the stop commits
+    nothing behind it (the offsets of a clean stop are not left to be read again)."""
+    broker = KafkaBroker(kafka_url, partitions=1)
+    await broker.publish(channel, [(body(1), {}, "k1")])
+    release, running_now = asyncio.Event(), asyncio.Event()
+
+    async def process(channel: str, deliveries: Sequence[Delivery]) -> None:
+        running_now.set()
+        await release.wait()
+        for delivery in deliveries:
+            await delivery.settle(Settlement(Action.ACK))
+
+    transport, stop = broker.transport(), asyncio.Event()
+    serving = asyncio.create_task(transport.serve([channel], process, stop))
+    try:
+        await asyncio.wait_for(running_now.wait(), 30)
+        # What the group's revoke callback does: it waits for the run under way, then commits.
+        revoke = asyncio.create_task(transport.revoke(set(transport.assignment)))
+        await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.sleep(0.5)  # the stop gets as far as it can while the run goes on
+        release.set()
+        await asyncio.wait_for(asyncio.gather(revoke, serving), 30)
+    finally:
+        release.set()
+        stop.set()
+        await asyncio.gather(serving, return_exceptions=True)
+        await transport.close()
+    assert await broker.backlog(channel) == 0
 
 
 async def test_a_dead_letter_too_large_for_the_broker_goes_out_without_its_body(
