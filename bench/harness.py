@@ -27,10 +27,32 @@ ADMIN_URL = os.environ.get(
 AMQP_URL = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 KAFKA_URL = os.environ.get("BENCH_KAFKA_URL", "kafka://127.0.0.1:9092")
 RUN = uuid.uuid4().hex[:8]
+# Keys every fresh database holds already, analyzed: the steady state of a deployment (its claims
+# table days deep, its statistics current) rather than a brand-new table, whose first cached
+# plans, made while it held a few rows, scan it whole until autovacuum's first ANALYZE
+# (BENCHMARKS.md, "A fresh table's first minute"). The naive consumer's table gets as many.
+SEED_ROWS = int(os.environ.get("BENCH_SEED_ROWS", "100000"))
 
 
 def db_url(name: str) -> str:
     return f"{ADMIN_URL.rpartition('/')[0]}/{name}"
+
+
+async def seed(conn: asyncpg.Connection, rows: int, *, naive: bool = True) -> None:
+    """`rows` completed claims of a scope no bench handler uses (kept 30 days), as many keys in
+    the naive consumer's table (`naive`), then ANALYZE."""
+    await conn.execute(
+        "INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, result, expires_at)"
+        " SELECT 'bench.seed', 'seed-' || g, '\\x00', 'completed', 'seed', 'null',"
+        " now() + interval '30 days' FROM generate_series(1, $1) g",
+        rows,
+    )
+    if naive:
+        await conn.execute(
+            "INSERT INTO bench_processed (key) SELECT 'seed-' || g FROM generate_series(1, $1) g",
+            rows,
+        )
+    await conn.execute("ANALYZE")
 
 
 @contextlib.asynccontextmanager
@@ -52,6 +74,8 @@ async def fresh_database() -> AsyncIterator[str]:
                 "CREATE TABLE bench_processed (key text PRIMARY KEY,"
                 " processed_at timestamptz NOT NULL DEFAULT now())"
             )
+            if SEED_ROWS:
+                await seed(conn, SEED_ROWS)
         finally:
             await conn.close()
         yield url

@@ -131,6 +131,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     import asyncpg
 
     from bench.commit import commit_latency
+    from bench.harness import SEED_ROWS, seed
     from dedupe.claims.database import migrate
 
     figures: dict[str, Any] = {}
@@ -147,6 +148,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     await admin.close()
     try:
         await migrate(db_url)
+        if SEED_ROWS:
+            conn = await asyncpg.connect(db_url)
+            try:
+                await seed(conn, SEED_ROWS, naive=False)
+            finally:
+                await conn.close()
         receiver_env = {
             "DEDUPE_DATABASE_URL": db_url,
             "DEDUPE_BROKER_URL": args.broker,
