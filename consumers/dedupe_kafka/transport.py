@@ -198,15 +198,16 @@ class KafkaTransport(Transport):
             self._stopping = True
             committer.cancel()
             await asyncio.gather(committer, return_exceptions=True)
+            work = list(self._partitions.values())
+            for partition in work:
+                partition.close()
+            if await _wait_idle(work, self._shutdown_timeout_s):
+                logger.warning("partitions still busy at shutdown; their offsets stay behind")
             # A revoke under way (the group rebalancing as we stop) commits its partitions
-            # first: the consumer stays ours until then.
+            # first, the consumer still ours; the lock is held for a commit only, so a revoke
+            # that comes now waits for no more than that.
             async with self._handing_over:
-                work = list(self._partitions.values())
-                for partition in work:
-                    partition.close()
-                if await _wait_idle(work, self._shutdown_timeout_s):
-                    logger.warning("partitions still busy at shutdown; their offsets stay behind")
-                await self._commit(work)
+                await self._commit([p for p in work if self._partitions.get(p.tp) is p])
                 self._partitions.clear()
             with contextlib.suppress(Exception):
                 await consumer.stop()  # leaves the group: the others take over at once

@@ -447,8 +447,8 @@ async def test_a_stop_during_a_revoke_waits_for_the_revokes_commit(
     kafka_url: str, channel: str
 ) -> None:
     """The group rebalances as the worker stops (another member left): the revoke under way
-    commits what its partitions finished before the consumer stops, and the stop commits
-    nothing behind it (the offsets of a clean stop are not left to be read again)."""
+    commits what its partitions finished before the consumer stops (the offsets of a clean
+    stop are not left to be read again)."""
     broker = KafkaBroker(kafka_url, partitions=1)
     await broker.publish(channel, [(body(1), {}, "k1")])
     release, running_now = asyncio.Event(), asyncio.Event()
@@ -476,6 +476,39 @@ async def test_a_stop_during_a_revoke_waits_for_the_revokes_commit(
         await asyncio.gather(serving, return_exceptions=True)
         await transport.close()
     assert await broker.backlog(channel) == 0
+
+
+async def test_a_revoke_during_a_stop_waits_no_longer_than_its_own_bound(
+    kafka_url: str, channel: str
+) -> None:
+    """The worker stops first and waits for its run; a rebalance then revokes the partition:
+    the revoke waits for that run no longer than revoke_timeout_s, not for the whole stop."""
+    broker = KafkaBroker(kafka_url, partitions=1)
+    await broker.publish(channel, [(body(1), {}, "k1")])
+    release, running_now = asyncio.Event(), asyncio.Event()
+
+    async def process(channel: str, deliveries: Sequence[Delivery]) -> None:
+        running_now.set()
+        await release.wait()
+        for delivery in deliveries:
+            await delivery.settle(Settlement(Action.ACK))
+
+    transport, stop = broker.transport(revoke_timeout_s=0.5), asyncio.Event()
+    serving = asyncio.create_task(transport.serve([channel], process, stop))
+    try:
+        await asyncio.wait_for(running_now.wait(), 30)
+        stop.set()
+        await asyncio.sleep(0.3)  # the stop waits for the run under way
+        began = time.monotonic()
+        await asyncio.wait_for(transport.revoke(set(transport.assignment)), 10)
+        assert time.monotonic() - began < 2.0  # its own bound (0.5 s), not the stop's wait
+        release.set()
+        await asyncio.wait_for(serving, 30)
+    finally:
+        release.set()
+        stop.set()
+        await asyncio.gather(serving, return_exceptions=True)
+        await transport.close()
 
 
 async def test_a_dead_letter_too_large_for_the_broker_goes_out_without_its_body(
