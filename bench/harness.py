@@ -32,6 +32,7 @@ RUN = uuid.uuid4().hex[:8]
 # plans, made while it held a few rows, scan it whole until autovacuum's first ANALYZE
 # (BENCHMARKS.md, "A fresh table's first minute"). The naive consumer's table gets as many.
 SEED_ROWS = int(os.environ.get("BENCH_SEED_ROWS", "100000"))
+SEED_SCOPE = "bench.seed"
 
 
 def db_url(name: str) -> str:
@@ -43,9 +44,10 @@ async def seed(conn: asyncpg.Connection, rows: int, *, naive: bool = True) -> No
     the naive consumer's table (`naive`), then ANALYZE."""
     await conn.execute(
         "INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, result, expires_at)"
-        " SELECT 'bench.seed', 'seed-' || g, '\\x00', 'completed', 'seed', 'null',"
+        " SELECT $2, 'seed-' || g, '\\x00', 'completed', 'seed', 'null',"
         " now() + interval '30 days' FROM generate_series(1, $1) g",
         rows,
+        SEED_SCOPE,
     )
     if naive:
         await conn.execute(
