@@ -155,4 +155,8 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
                 )
                 sent += 1
             await asyncio.sleep(max(0.0, start + sent / target - loop.time()))
+        # A round trip on the channel once all are written: the broker has every publish
+        # before the connection closes (without confirms, a close right after the last tick
+        # lost its tail once: 54,071 of 54,108 "settled" at 5,406/s, at b6dce66).
+        await amqp.declare_queue(channel, passive=True)
     return sent
