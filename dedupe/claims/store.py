@@ -37,6 +37,17 @@ T = TypeVar("T")
 FETCH_ATTEMPTS = 4
 _FETCH_BACKOFF = wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05)
 
+# A brand-new claims table: PostgreSQL keeps one generic plan per prepared statement, made
+# while the table held a few rows, and that plan reads the whole table (a hash join over a
+# seq scan) for every claim until something invalidates it; autovacuum's first ANALYZE may be
+# a minute away, and a worker fed a backlog meanwhile scans a growing table twice per
+# statement. Every PLANS_CHECK_EVERY keys it claims, until the table is past YOUNG_ROWS as
+# last analyzed, the store looks, and analyzes a table that holds YOUNG_ROWS rows or more while
+# its statistics say fewer: the plans are made again from the table as it is (nested loops
+# over the primary key from a few thousand rows on).
+PLANS_CHECK_EVERY = 2000
+YOUNG_ROWS = 5000
+
 
 def fetch_backoff(failed: int) -> float:
     """The wait after failed attempt number `failed`, as tenacity's wait computes it."""
@@ -65,6 +76,9 @@ class ClaimStore:
         self.pool = pool
         self.owner = owner
         self._q = queries()
+        self._claimed_since_check = 0
+        self._plans_checked = False  # the table is past YOUNG_ROWS as last analyzed
+        self._plans: asyncio.Task[None] | None = None
 
     @classmethod
     @asynccontextmanager
@@ -171,6 +185,8 @@ class ClaimStore:
             )
 
         rows, refused = await self._each(requests, send)
+        if not self._plans_checked:
+            self._claimed(len(requests))
         by_key = {KeyId(row["scope"], row["key"]): _claim_of(row) for row in rows}
         for request, why in refused:
             by_key[request.ident] = Claim(
@@ -197,7 +213,45 @@ class ClaimStore:
             float(retention_s),
             secrets.randbits(63),
         )
+        if not self._plans_checked:
+            self._claimed(1)
         return None if token is None else int(token)
+
+    # -- the plans of a young table ----------------------------------------------------
+
+    def _claimed(self, keys: int) -> None:
+        self._claimed_since_check += keys
+        if self._claimed_since_check >= PLANS_CHECK_EVERY and (
+            self._plans is None or self._plans.done()
+        ):
+            self._claimed_since_check = 0
+            self._plans = asyncio.create_task(self._analyze_if_young(), name="dedupe-plans")
+
+    async def _analyze_if_young(self) -> None:
+        """ANALYZE the claims table if it holds YOUNG_ROWS rows or more while its statistics
+        say fewer (never analyzed, or analyzed while small); never raises."""
+        try:
+            async with self.pool.acquire() as conn:
+                row = await conn.fetchrow(self._q["young_table"])
+                if row is None or row["analyzed_rows"] >= YOUNG_ROWS:
+                    self._plans_checked = True
+                    return
+                if row["live_rows"] < YOUNG_ROWS:
+                    return
+                self._plans_checked = True  # tried once (a role that may not analyze it...)
+                async with conn.transaction():
+                    # Behind a vacuum of the table, give up rather than hold a pooled
+                    # connection: autovacuum analyzes it then.
+                    await conn.execute("SET LOCAL lock_timeout = '1s'")
+                    await conn.execute("ANALYZE dedupe_claims")
+                logger.info(
+                    "analyzed dedupe_claims (%d rows; %d when last analyzed): the claim "
+                    "statements are planned again for a table of this size",
+                    row["live_rows"],
+                    max(row["analyzed_rows"], 0),
+                )
+        except Exception as exc:  # a statistics read is never worth failing a claim for
+            logger.debug("checking the claims table's statistics failed: %s", exc)
 
     async def first_attempt_failed(
         self,

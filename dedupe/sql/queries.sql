@@ -350,3 +350,12 @@ FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::bytea[])
          WITH ORDINALITY AS i(scope, key, payload_hash, fingerprint, raw_hash, n)
 LEFT JOIN dedupe_claims e ON e.scope = i.scope AND e.key = i.key
 ORDER BY i.n;
+
+-- name: young_table
+-- Whether the claims table has outgrown the statistics its cached plans were made from: its
+-- rows as last analyzed (-1: never) and as counted now. The store analyzes a table that holds
+-- many more rows than its last ANALYZE saw (dedupe/claims/store.py, ClaimStore._plans).
+SELECT c.reltuples::bigint AS analyzed_rows, coalesce(s.n_live_tup, 0) AS live_rows
+  FROM pg_class c
+  LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+ WHERE c.oid = to_regclass('dedupe_claims');

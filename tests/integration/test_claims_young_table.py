@@ -1,0 +1,86 @@
+"""A brand-new claims table is analyzed by the store once it holds enough rows, so the claim
+statements' cached plans stop reading the whole table (dedupe.claims.store, YOUNG_ROWS)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import asyncpg
+import pytest
+
+from dedupe.claims import store as store_module
+from dedupe.claims.records import ClaimRequest
+from dedupe.claims.store import ClaimStore
+
+
+def requests(start: int, count: int) -> list[ClaimRequest]:
+    return [
+        ClaimRequest("t.young", f"k{i}", hashlib.sha256(b"%d" % i).digest())
+        for i in range(start, start + count)
+    ]
+
+
+async def table_state(db: asyncpg.Connection) -> tuple[float, bool]:
+    row = await db.fetchrow(
+        "SELECT c.reltuples, s.last_analyze IS NOT NULL AS analyzed FROM pg_class c"
+        " JOIN pg_stat_user_tables s ON s.relid = c.oid WHERE c.oid = 'dedupe_claims'::regclass"
+    )
+    assert row is not None
+    return float(row["reltuples"]), bool(row["analyzed"])
+
+
+async def claim_until_analyzed(store: ClaimStore, db: asyncpg.Connection, *, most: int) -> int:
+    """Claim batches of 100 new keys until the table is analyzed (at most `most` keys)."""
+    claimed = 0
+    while claimed < most:
+        await store.claim_batch(requests(claimed, 100), lease_s=30, retention_s=3600)
+        claimed += 100
+        await asyncio.sleep(0.02)  # (the statistics collector counts the rows a moment later)
+        if (await table_state(db))[1]:
+            return claimed
+    return claimed
+
+
+async def test_a_young_claims_table_is_analyzed_once_it_holds_enough_rows(
+    store: ClaimStore, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "PLANS_CHECK_EVERY", 100)
+    monkeypatch.setattr(store_module, "YOUNG_ROWS", 1000)
+    # Not autovacuum's ANALYZE, which may come at any moment on a new table: the store's.
+    await db.execute("ALTER TABLE dedupe_claims SET (autovacuum_enabled = false)")
+    before, analyzed = await table_state(db)
+    assert not analyzed and before < 1000
+    claimed = await claim_until_analyzed(store, db, most=6000)
+    reltuples, analyzed = await table_state(db)
+    assert analyzed, f"not analyzed after {claimed} claims"
+    assert reltuples >= 1000  # the plans are made again from the table as it is
+    assert claimed < 6000
+
+
+async def test_a_table_analyzed_at_its_size_is_not_analyzed_again(
+    store: ClaimStore, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deployment's table (its statistics current) costs one look, then nothing."""
+    monkeypatch.setattr(store_module, "PLANS_CHECK_EVERY", 100)
+    monkeypatch.setattr(store_module, "YOUNG_ROWS", 1000)
+    await db.execute("ALTER TABLE dedupe_claims SET (autovacuum_enabled = false)")
+    await db.execute(
+        "INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, expires_at)"
+        " SELECT 'old', 'k' || g, '\\x00', 'completed', 'o', now() + interval '1 day'"
+        " FROM generate_series(1, 2000) g"
+    )
+    await db.execute("ANALYZE dedupe_claims")
+    first = await db.fetchval(
+        "SELECT analyze_count FROM pg_stat_user_tables WHERE relname = 'dedupe_claims'"
+    )
+    for start in range(0, 1000, 100):
+        await store.claim_batch(requests(start, 100), lease_s=30, retention_s=3600)
+    await asyncio.sleep(0.2)
+    assert store._plans_checked
+    assert (
+        await db.fetchval(
+            "SELECT analyze_count FROM pg_stat_user_tables WHERE relname = 'dedupe_claims'"
+        )
+        == first
+    )
