@@ -495,6 +495,7 @@ class IdempotencyMiddleware:
                 claimed = await one_tx.claim(
                     db, request, self.bounds, owner=self.owner, retention_s=self.terms.retention_s
                 )
+            store.count_claims(1)  # (a young claims table is analyzed: ClaimStore)
         except asyncpg.LockNotAvailableError:
             await db.close()
             return await answer(send, in_flight(), "in_flight")  # held by a run still open

@@ -87,9 +87,13 @@ class ClaimStore:
     ) -> AsyncIterator[ClaimStore]:
         """Connect a pool, yield a store, close the pool on exit."""
         pool = await connect_pool(dsn, min_size=min_size, max_size=max_size)
+        store: ClaimStore | None = None
         try:
-            yield cls(pool, owner=owner)
+            store = cls(pool, owner=owner)
+            yield store
         finally:
+            if store is not None:
+                await store.stop_looking()
             await pool.close()
 
     # -- helpers -----------------------------------------------------------------------
@@ -186,7 +190,7 @@ class ClaimStore:
 
         rows, refused = await self._each(requests, send)
         if not self._plans_checked:
-            self._claimed(len(requests))
+            self.count_claims(len(requests))
         by_key = {KeyId(row["scope"], row["key"]): _claim_of(row) for row in rows}
         for request, why in refused:
             by_key[request.ident] = Claim(
@@ -214,12 +218,16 @@ class ClaimStore:
             secrets.randbits(63),
         )
         if not self._plans_checked:
-            self._claimed(1)
+            self.count_claims(1)
         return None if token is None else int(token)
 
     # -- the plans of a young table ----------------------------------------------------
 
-    def _claimed(self, keys: int) -> None:
+    def count_claims(self, keys: int) -> None:
+        """Keys claimed: every PLANS_CHECK_EVERY of them, look at the table's statistics (the
+        HTTP middleware counts its one-transaction claims here too)."""
+        if self._plans_checked:
+            return
         self._claimed_since_check += keys
         if self._claimed_since_check >= PLANS_CHECK_EVERY and (
             self._plans is None or self._plans.done()
@@ -227,23 +235,32 @@ class ClaimStore:
             self._claimed_since_check = 0
             self._plans = asyncio.create_task(self._analyze_if_young(), name="dedupe-plans")
 
+    async def stop_looking(self) -> None:
+        """Cancel a look at the table's statistics under way (before the pool closes)."""
+        task, self._plans = self._plans, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     async def _analyze_if_young(self) -> None:
         """ANALYZE the claims table if it holds YOUNG_ROWS rows or more while its statistics
         say fewer (never analyzed, or analyzed while small); never raises."""
         try:
             async with self.pool.acquire() as conn:
                 row = await conn.fetchrow(self._q["young_table"])
-                if row is None or row["analyzed_rows"] >= YOUNG_ROWS:
-                    self._plans_checked = True
+                conn.mark_clean()  # a read: no session state to reset
+                if row is None or row["analyzed_rows"] >= YOUNG_ROWS or not row["may_analyze"]:
+                    self._plans_checked = True  # grown, or not ours to analyze: never again
                     return
                 if row["live_rows"] < YOUNG_ROWS:
-                    return
-                self._plans_checked = True  # tried once (a role that may not analyze it...)
+                    return  # (a table that stays small: one cheap read per PLANS_CHECK_EVERY)
+                self._plans_checked = True  # tried once
                 async with conn.transaction():
                     # Behind a vacuum of the table, give up rather than hold a pooled
                     # connection: autovacuum analyzes it then.
                     await conn.execute("SET LOCAL lock_timeout = '1s'")
                     await conn.execute("ANALYZE dedupe_claims")
+                conn.mark_clean()  # SET LOCAL ended with the transaction
                 logger.info(
                     "analyzed dedupe_claims (%d rows; %d when last analyzed): the claim "
                     "statements are planned again for a table of this size",
