@@ -37,16 +37,18 @@ T = TypeVar("T")
 FETCH_ATTEMPTS = 4
 _FETCH_BACKOFF = wait_exponential_jitter(multiplier=0.05, max=1.0, jitter=0.05)
 
-# A brand-new claims table: PostgreSQL keeps one generic plan per prepared statement, made
-# while the table held a few rows, and that plan reads the whole table (a hash join over a
-# seq scan) for every claim until something invalidates it; autovacuum's first ANALYZE may be
-# a minute away, and a worker fed a backlog meanwhile scans a growing table twice per
-# statement. Every PLANS_CHECK_EVERY keys it claims, until the table is past YOUNG_ROWS as
-# last analyzed, the store looks, and analyzes a table that holds YOUNG_ROWS rows or more while
-# its statistics say fewer: the plans are made again from the table as it is (nested loops
-# over the primary key from a few thousand rows on).
-PLANS_CHECK_EVERY = 2000
-YOUNG_ROWS = 5000
+# A young claims table: PostgreSQL keeps one generic plan per prepared statement, and one made
+# while the table held a few hundred rows reads the whole table (a hash join over a seq scan)
+# for every claim until something invalidates it; autovacuum's first ANALYZE may be a minute
+# away, and a worker fed a backlog meanwhile scans a growing table twice per statement. Every
+# PLANS_CHECK_EVERY keys it claims, while the table's statistics count fewer than YOUNG_ROWS
+# rows, the store looks, and analyzes a table that holds PLANS_MIN_ROWS rows or more and
+# twice what its statistics count: the plans are made again from the table as it is (nested
+# loops over the primary key from a few thousand rows on), and autovacuum takes over from
+# YOUNG_ROWS on.
+PLANS_CHECK_EVERY = 500
+PLANS_MIN_ROWS = 1000
+YOUNG_ROWS = 10_000
 
 
 def fetch_backoff(failed: int) -> float:
@@ -243,8 +245,8 @@ class ClaimStore:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _analyze_if_young(self) -> None:
-        """ANALYZE the claims table if it holds YOUNG_ROWS rows or more while its statistics
-        say fewer (never analyzed, or analyzed while small); never raises."""
+        """ANALYZE the claims table if it holds PLANS_MIN_ROWS rows or more and twice what its
+        statistics count (never analyzed, or analyzed while small); never raises."""
         try:
             async with self.pool.acquire() as conn:
                 row = await conn.fetchrow(self._q["young_table"])
@@ -252,9 +254,9 @@ class ClaimStore:
                 if row is None or row["analyzed_rows"] >= YOUNG_ROWS or not row["may_analyze"]:
                     self._plans_checked = True  # grown, or not ours to analyze: never again
                     return
-                if row["live_rows"] < YOUNG_ROWS:
+                analyzed = max(int(row["analyzed_rows"]), 0)
+                if row["live_rows"] < max(PLANS_MIN_ROWS, 2 * analyzed):
                     return  # (a table that stays small: one cheap read per PLANS_CHECK_EVERY)
-                self._plans_checked = True  # tried once
                 async with conn.transaction():
                     # Behind a vacuum of the table, give up rather than hold a pooled
                     # connection: autovacuum analyzes it then.

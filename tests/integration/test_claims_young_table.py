@@ -1,5 +1,5 @@
-"""A brand-new claims table is analyzed by the store once it holds enough rows, so the claim
-statements' cached plans stop reading the whole table (dedupe.claims.store, YOUNG_ROWS)."""
+"""A young claims table is analyzed by the store as it grows, so the claim statements' cached
+plans stop reading the whole table (dedupe.claims.store, PLANS_MIN_ROWS, YOUNG_ROWS)."""
 
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ async def test_the_middlewares_one_transaction_claims_count_too(
     from tests.integration.test_http_api import client_of, post
 
     monkeypatch.setattr(store_module, "PLANS_CHECK_EVERY", 20)
+    monkeypatch.setattr(store_module, "PLANS_MIN_ROWS", 200)
     monkeypatch.setattr(store_module, "YOUNG_ROWS", 200)
     await db.execute("ALTER TABLE dedupe_claims SET (autovacuum_enabled = false)")
     async with (
