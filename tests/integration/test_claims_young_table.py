@@ -45,13 +45,21 @@ async def claim_until_analyzed(store: ClaimStore, db: asyncpg.Connection, *, mos
     return claimed
 
 
+async def small_table_rules(
+    monkeypatch: pytest.MonkeyPatch, db: asyncpg.Connection, *, every: int, rows: int
+) -> None:
+    """Look every `every` keys, analyze from `rows` rows and stop there; no autovacuum on the
+    table (its ANALYZE may come at any moment on a new table: the test wants the store's)."""
+    monkeypatch.setattr(store_module, "PLANS_CHECK_EVERY", every)
+    monkeypatch.setattr(store_module, "PLANS_MIN_ROWS", rows)
+    monkeypatch.setattr(store_module, "YOUNG_ROWS", rows)
+    await db.execute("ALTER TABLE dedupe_claims SET (autovacuum_enabled = false)")
+
+
 async def test_a_young_claims_table_is_analyzed_once_it_holds_enough_rows(
     store: ClaimStore, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "PLANS_CHECK_EVERY", 100)
-    monkeypatch.setattr(store_module, "YOUNG_ROWS", 1000)
-    # Not autovacuum's ANALYZE, which may come at any moment on a new table: the store's.
-    await db.execute("ALTER TABLE dedupe_claims SET (autovacuum_enabled = false)")
+    await small_table_rules(monkeypatch, db, every=100, rows=1000)
     before, analyzed = await table_state(db)
     assert not analyzed and before < 1000
     claimed = await claim_until_analyzed(store, db, most=40_000)
@@ -64,9 +72,7 @@ async def test_a_table_analyzed_at_its_size_is_not_analyzed_again(
     store: ClaimStore, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A deployment's table (its statistics current) costs one look, then nothing."""
-    monkeypatch.setattr(store_module, "PLANS_CHECK_EVERY", 100)
-    monkeypatch.setattr(store_module, "YOUNG_ROWS", 1000)
-    await db.execute("ALTER TABLE dedupe_claims SET (autovacuum_enabled = false)")
+    await small_table_rules(monkeypatch, db, every=100, rows=1000)
     await db.execute(
         "INSERT INTO dedupe_claims (scope, key, payload_hash, status, owner, expires_at)"
         " SELECT 'old', 'k' || g, '\\x00', 'completed', 'o', now() + interval '1 day'"
@@ -97,10 +103,7 @@ async def test_the_middlewares_one_transaction_claims_count_too(
     from tests.integration.http_server import serving
     from tests.integration.test_http_api import client_of, post
 
-    monkeypatch.setattr(store_module, "PLANS_CHECK_EVERY", 20)
-    monkeypatch.setattr(store_module, "PLANS_MIN_ROWS", 200)
-    monkeypatch.setattr(store_module, "YOUNG_ROWS", 200)
-    await db.execute("ALTER TABLE dedupe_claims SET (autovacuum_enabled = false)")
+    await small_table_rules(monkeypatch, db, every=20, rows=200)
     async with (
         serving(create_test_api(orders_db, one_transaction=True)) as base,
         client_of(base) as client,

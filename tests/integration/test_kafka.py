@@ -443,6 +443,20 @@ async def test_a_revoke_gives_back_the_claims_no_handler_runs_yet_and_waits_only
     assert await db.fetchval("SELECT max(attempts) FROM dedupe_claims") == 1
 
 
+class HeldRun:
+    """One record's batch held mid-run until `release` is set (then acknowledged); `running`
+    is set once it runs."""
+
+    def __init__(self) -> None:
+        self.release, self.running = asyncio.Event(), asyncio.Event()
+
+    async def process(self, channel: str, deliveries: Sequence[Delivery]) -> None:
+        self.running.set()
+        await self.release.wait()
+        for delivery in deliveries:
+            await delivery.settle(Settlement(Action.ACK))
+
+
 async def test_a_stop_during_a_revoke_waits_for_the_revokes_commit(
     kafka_url: str, channel: str
 ) -> None:
@@ -451,18 +465,12 @@ async def test_a_stop_during_a_revoke_waits_for_the_revokes_commit(
     stop are not left to be read again)."""
     broker = KafkaBroker(kafka_url, partitions=1)
     await broker.publish(channel, [(body(1), {}, "k1")])
-    release, running_now = asyncio.Event(), asyncio.Event()
-
-    async def process(channel: str, deliveries: Sequence[Delivery]) -> None:
-        running_now.set()
-        await release.wait()
-        for delivery in deliveries:
-            await delivery.settle(Settlement(Action.ACK))
-
+    run = HeldRun()
+    release = run.release
     transport, stop = broker.transport(), asyncio.Event()
-    serving = asyncio.create_task(transport.serve([channel], process, stop))
+    serving = asyncio.create_task(transport.serve([channel], run.process, stop))
     try:
-        await asyncio.wait_for(running_now.wait(), 30)
+        await asyncio.wait_for(run.running.wait(), 30)
         # What the group's revoke callback does: it waits for the run under way, then commits.
         revoke = asyncio.create_task(transport.revoke(set(transport.assignment)))
         await asyncio.sleep(0.2)
@@ -485,18 +493,12 @@ async def test_a_revoke_during_a_stop_waits_no_longer_than_its_own_bound(
     the revoke waits for that run no longer than revoke_timeout_s, not for the whole stop."""
     broker = KafkaBroker(kafka_url, partitions=1)
     await broker.publish(channel, [(body(1), {}, "k1")])
-    release, running_now = asyncio.Event(), asyncio.Event()
-
-    async def process(channel: str, deliveries: Sequence[Delivery]) -> None:
-        running_now.set()
-        await release.wait()
-        for delivery in deliveries:
-            await delivery.settle(Settlement(Action.ACK))
-
+    run = HeldRun()
+    release = run.release
     transport, stop = broker.transport(revoke_timeout_s=0.5), asyncio.Event()
-    serving = asyncio.create_task(transport.serve([channel], process, stop))
+    serving = asyncio.create_task(transport.serve([channel], run.process, stop))
     try:
-        await asyncio.wait_for(running_now.wait(), 30)
+        await asyncio.wait_for(run.running.wait(), 30)
         stop.set()
         await asyncio.sleep(0.3)  # the stop waits for the run under way
         began = time.monotonic()
