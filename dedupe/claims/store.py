@@ -79,7 +79,7 @@ class ClaimStore:
         self.owner = owner
         self._q = queries()
         self._claimed_since_check = 0
-        self._plans_checked = False  # the table is past YOUNG_ROWS as last analyzed
+        self._plans_checked = False  # past YOUNG_ROWS as last analyzed, or not ours to analyze
         self._plans: asyncio.Task[None] | None = None
 
     @classmethod
@@ -191,8 +191,7 @@ class ClaimStore:
             )
 
         rows, refused = await self._each(requests, send)
-        if not self._plans_checked:
-            self.count_claims(len(requests))
+        self.count_claims(len(requests))
         by_key = {KeyId(row["scope"], row["key"]): _claim_of(row) for row in rows}
         for request, why in refused:
             by_key[request.ident] = Claim(
@@ -219,8 +218,7 @@ class ClaimStore:
             float(retention_s),
             secrets.randbits(63),
         )
-        if not self._plans_checked:
-            self.count_claims(1)
+        self.count_claims(1)
         return None if token is None else int(token)
 
     # -- the plans of a young table ----------------------------------------------------
@@ -267,7 +265,7 @@ class ClaimStore:
                     "analyzed dedupe_claims (%d rows; %d when last analyzed): the claim "
                     "statements are planned again for a table of this size",
                     row["live_rows"],
-                    max(row["analyzed_rows"], 0),
+                    analyzed,
                 )
         except Exception as exc:  # a statistics read is never worth failing a claim for
             logger.debug("checking the claims table's statistics failed: %s", exc)

@@ -354,7 +354,7 @@ ORDER BY i.n;
 -- name: young_table
 -- Whether the claims table has outgrown the statistics its cached plans were made from: its
 -- rows as last analyzed (-1: never) and as counted now. The store analyzes a table that holds
--- many more rows than its last ANALYZE saw (dedupe/claims/store.py, ClaimStore._plans), if
+-- many more rows than its last ANALYZE saw (dedupe/claims/store.py, ClaimStore._analyze_if_young), if
 -- its role may: PostgreSQL skips, with a mere warning, a table its role does not own.
 SELECT c.reltuples::bigint AS analyzed_rows, coalesce(s.n_live_tup, 0) AS live_rows,
        pg_has_role(c.relowner, 'USAGE') AS may_analyze

@@ -466,7 +466,6 @@ async def test_a_stop_during_a_revoke_waits_for_the_revokes_commit(
     broker = KafkaBroker(kafka_url, partitions=1)
     await broker.publish(channel, [(body(1), {}, "k1")])
     run = HeldRun()
-    release = run.release
     transport, stop = broker.transport(), asyncio.Event()
     serving = asyncio.create_task(transport.serve([channel], run.process, stop))
     try:
@@ -476,10 +475,10 @@ async def test_a_stop_during_a_revoke_waits_for_the_revokes_commit(
         await asyncio.sleep(0.2)
         stop.set()
         await asyncio.sleep(0.5)  # the stop gets as far as it can while the run goes on
-        release.set()
+        run.release.set()
         await asyncio.wait_for(asyncio.gather(revoke, serving), 30)
     finally:
-        release.set()
+        run.release.set()
         stop.set()
         await asyncio.gather(serving, return_exceptions=True)
         await transport.close()
@@ -494,7 +493,6 @@ async def test_a_revoke_during_a_stop_waits_no_longer_than_its_own_bound(
     broker = KafkaBroker(kafka_url, partitions=1)
     await broker.publish(channel, [(body(1), {}, "k1")])
     run = HeldRun()
-    release = run.release
     transport, stop = broker.transport(revoke_timeout_s=0.5), asyncio.Event()
     serving = asyncio.create_task(transport.serve([channel], run.process, stop))
     try:
@@ -504,10 +502,10 @@ async def test_a_revoke_during_a_stop_waits_no_longer_than_its_own_bound(
         began = time.monotonic()
         await asyncio.wait_for(transport.revoke(set(transport.assignment)), 10)
         assert time.monotonic() - began < 2.0  # its own bound (0.5 s), not the stop's wait
-        release.set()
+        run.release.set()
         await asyncio.wait_for(serving, 30)
     finally:
-        release.set()
+        run.release.set()
         stop.set()
         await asyncio.gather(serving, return_exceptions=True)
         await transport.close()
