@@ -3,15 +3,16 @@
 A fetched batch runs as one `process()` call per wave: a wave never holds two records of one
 record key, so messages of a key run in offset order while the others run side by side. Up to
 BATCHES_IN_FLIGHT batches run at once; a batch's records of keys an earlier one holds wait for
-it to end. The partition is paused at that many, while held messages run again, or while too
-many are held: a record is not left unfetched for a whole batch's claim and completion. A
+it to end. At that many the transport leaves the partition out of its polls (what aiokafka
+fetched ahead stays buffered); it is paused while too many are held: a record is not left
+unfetched for a whole batch's claim and completion. A
 message the core defers for at least the smallest delay bucket (5 s) goes to its retry topic
 (dedupe_kafka.retries) and is done here once the broker has the copy; one deferred for less, or
 requeued, is held, with the later messages of its key queued behind it, and runs again when
 due, beside the stream; so is one whose deferral, dead letter or reply the broker refused, or
 whose settling failed. A partition of a retry topic runs its records as messages of their
-channel, one fetched batch at a time, each record once it is due (the partition is paused while
-the batch waits). The commit position is the first offset without a final
+channel, one fetched batch at a time, each record once it is due (the partition is not polled
+while the batch waits). The commit position is the first offset without a final
 outcome, so an offset is never committed past an unfinished message. A revoked partition starts
 no next wave, and its deliveries say they are withdrawn (the core gives back the claims whose
 handlers have not started): what it has not run is left, uncommitted, to the next owner.
@@ -50,7 +51,7 @@ INTERNAL_ERROR_DELAY_S = 5.0
 # per attempt).
 DEAD_LETTER_RETRY_S = 5.0
 DEAD_LETTER_RETRY_MAX_S = 300.0
-# Fetched batches of one partition in flight at once (the partition is paused at this many).
+# Fetched batches of one partition in flight at once (the partition is not polled at this many).
 BATCHES_IN_FLIGHT = 2
 
 
@@ -223,7 +224,7 @@ class PartitionWork:
         self.replayed_to: int | None = None  # offsets before it came in the first batch
         self.held: dict[object, collections.deque[KafkaDelivery]] = {}
         self.closing = False  # revoked or stopping: start nothing new (deliveries withdrawn)
-        # A retry topic's partition runs one batch at a time: paused while it waits to be due.
+        # A retry topic's partition runs one batch at a time: not polled while it waits to be due.
         self._depth = 1 if retry is not None else max(1, batches_in_flight)
         self._waiting = False  # its batch waits for a record to be due
         self._closed = asyncio.Event()
@@ -263,13 +264,15 @@ class PartitionWork:
 
     @property
     def full(self) -> bool:
-        """As many fetched batches are running as may: take no other (the partition is paused)."""
+        """As many fetched batches are running as may: take no other (the partition is not
+        polled)."""
         return len(self._batches) >= self._depth
 
     # -- fetched batches ------------------------------------------------------------------
 
     def feed(self, records: Sequence[ConsumerRecord]) -> None:
-        """Take a fetched batch; the partition is paused while `full`."""
+        """Take a fetched batch (never while `full`: the transport does not poll the partition
+        then); the partition is paused while too many messages are held."""
         assert not self.full, "a partition runs at most batches_in_flight fetched batches"
         if self.committed is None:
             self.committed = records[0].offset  # where the group stood when we got it
@@ -280,7 +283,7 @@ class PartitionWork:
             self.pending[record.offset] = False
         self.fetched_to = records[-1].offset + 1
         earlier = dict(self._batches)
-        if len(earlier) + 1 >= self._depth or self.held_count >= self._max_held:
+        if self.held_count >= self._max_held:
             self._pause(self.tp)
         self._idle.clear()
         task = asyncio.create_task(

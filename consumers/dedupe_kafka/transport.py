@@ -8,9 +8,12 @@ to the retry topics `C.retry.5s`, `C.retry.30s`, `C.retry.2m`, `C.retry.10m` and
   a new group starts from the earliest offset.
 - A fetch returns at most `batch_max` records; each partition's share goes to the core in one
   `process()` call (one claim statement) per wave (see dedupe_kafka.partition); up to
-  `batches_in_flight` fetched batches of a partition run at once, the partition is paused at
-  that many (or while too many messages are held) and the consumer keeps polling, so a long
-  handler never gets the worker evicted from the group. Partitions run in parallel.
+  `batches_in_flight` fetched batches of a partition run at once. At that many the partition
+  is left out of the next polls (its records fetched ahead stay in aiokafka's buffer; a pause
+  would drop them and fetch them again); it is paused only while too many messages are held,
+  or once every partition has waited SLOT_WAIT_S for a slot, so that the consumer keeps
+  polling and a long handler never gets the worker evicted from the group. Partitions run in
+  parallel.
 - Kafka cannot redeliver one message. A message the core defers for 5 s or more (its key is in
   progress elsewhere, a retry's backoff) is copied to the retry topic of its delay's bucket
   and its offset is done once the broker has the copy (dedupe_kafka.retries); the copy runs as
@@ -69,6 +72,10 @@ logger = logging.getLogger(__name__)
 # The longest wait between two commit attempts while they keep failing unexpectedly.
 COMMIT_BACKOFF_MAX_S = 10.0
 
+# How long the consumer waits for a batch slot while every partition runs as many fetched
+# batches as it may, before it pauses them and polls (a poll keeps it in the group).
+SLOT_WAIT_S = 0.1
+
 
 # -- the transport --------------------------------------------------------------------------
 
@@ -124,6 +131,8 @@ class KafkaTransport(Transport):
         # A revoke and the shutdown each take partitions away and commit them: one at a time,
         # so that neither stops the consumer under the other's commit.
         self._handing_over = asyncio.Lock()
+        # Set when a partition may take a fetched batch again.
+        self._slot = asyncio.Event()
 
     @property
     def assignment(self) -> frozenset[TopicPartition]:
@@ -177,13 +186,16 @@ class KafkaTransport(Transport):
         committer = asyncio.create_task(self._commit_loop(), name="kafka-commit")
         try:
             while not stop.is_set():
+                open_, polled = await self._open_partitions()
+                if not polled:
+                    continue
                 try:
-                    # A partition resumed while getmany waits is not fetched until the wait
-                    # ends: while any batch runs (a pause or a resume may come), wait briefly
-                    # and ask again.
+                    # A partition that may take a batch again while getmany waits is not
+                    # asked for until the wait ends: while any batch runs (one may end),
+                    # wait briefly and ask again.
                     busy = any(p.busy for p in self._partitions.values())
                     batches = await consumer.getmany(
-                        timeout_ms=5 if busy else 100, max_records=options.batch_max
+                        *open_, timeout_ms=5 if busy else 100, max_records=options.batch_max
                     )
                 except KafkaError as exc:
                     if not getattr(exc, "retriable", False):
@@ -212,6 +224,31 @@ class KafkaTransport(Transport):
             with contextlib.suppress(Exception):
                 await consumer.stop()  # leaves the group: the others take over at once
             self._consumer = None
+
+    async def _open_partitions(self) -> tuple[list[TopicPartition], bool]:
+        """The partitions to poll, and whether to poll now.
+
+        A partition running as many fetched batches as it may is left out, not paused: a pause
+        makes aiokafka drop the records it fetched ahead, and fetch them again once resumed.
+        With every partition left out, wait up to SLOT_WAIT_S for one to take a batch again;
+        past that, pause them all and poll anyway (an empty poll: none may take records), so
+        long handlers never keep the consumer from polling. An empty list polls every
+        assigned partition (none assigned yet, or all of them paused).
+        """
+        self._slot.clear()
+        work = self._partitions
+        open_ = [tp for tp, p in work.items() if not p.full and not p.closing]
+        if open_ or not work:
+            return open_, True
+        try:
+            await asyncio.wait_for(self._slot.wait(), SLOT_WAIT_S)
+        except TimeoutError:
+            pass
+        else:
+            return [], False
+        for tp in work:
+            self._pause(tp)
+        return [], True
 
     def _dispatch(
         self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: list[ConsumerRecord]
@@ -284,6 +321,7 @@ class KafkaTransport(Transport):
     def _resume(self, tp: TopicPartition) -> None:
         partition = self._partitions.get(tp)
         if self._consumer is not None and partition is not None and not partition.full:
+            self._slot.set()
             with contextlib.suppress(IllegalStateError, KafkaError):
                 self._consumer.resume(tp)
 
