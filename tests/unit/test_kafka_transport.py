@@ -18,7 +18,7 @@ from aiokafka.errors import (
 from dedupe.claims.records import Reason
 from dedupe.transport import BODY_DROPPED_HEADER, Action, Settlement
 from dedupe_kafka.partition import PartitionWork
-from dedupe_kafka.transport import KafkaTransport
+from dedupe_kafka.transport import SLOT_WAIT_S, KafkaTransport
 
 DEAD = Settlement(
     Action.DEAD_LETTER, reason=Reason.HANDLER_ERROR, detail="boom", scope="t.work", key="k1"
@@ -151,3 +151,63 @@ async def test_a_revoked_partition_stops_retrying_its_dead_letter() -> None:
     async with asyncio.timeout(1):
         assert not await transport.dead_letters.send(Record(), DEAD, lambda: True)
     assert len(producer.sent) == 1
+
+
+@dataclass
+class Slots:
+    """A partition's `full` and `closing`, as the transport's polling reads them."""
+
+    full: bool = False
+    closing: bool = False
+
+
+@dataclass
+class Consumer:
+    paused: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
+
+    def pause(self, tp: str) -> None:
+        self.paused.append(tp)
+
+    def resume(self, tp: str) -> None:
+        self.resumed.append(tp)
+
+
+def polling(**partitions: Slots) -> tuple[KafkaTransport, Consumer]:
+    transport = KafkaTransport("kafka://127.0.0.1:9092")
+    consumer = Consumer()
+    transport._consumer = consumer
+    transport._partitions = dict(partitions)  # type: ignore[arg-type]
+    return transport, consumer
+
+
+async def test_a_partition_at_its_batches_in_flight_is_left_out_of_the_poll_not_paused() -> None:
+    """A pause would make aiokafka drop what it fetched ahead for the partition (fetched again
+    on resume: Kafka duplicates ran at half their rate); it is only not asked for."""
+    transport, consumer = polling(a=Slots(full=True), b=Slots(), c=Slots(closing=True))
+    assert await transport._open_partitions() == (["b"], True)
+    assert consumer.paused == []
+    transport, consumer = polling()  # nothing assigned yet: poll every partition
+    assert await transport._open_partitions() == ([], True)
+
+
+async def test_with_every_partition_full_a_freed_slot_ends_the_wait_at_once() -> None:
+    a = Slots(full=True)
+    transport, consumer = polling(a=a, b=Slots(full=True))
+    waiting = asyncio.ensure_future(transport._open_partitions())
+    await asyncio.sleep(0.01)
+    a.full = False
+    transport._resume("a")  # (as PartitionWork does once a batch ends)
+    async with asyncio.timeout(0.05):  # well under SLOT_WAIT_S
+        assert await waiting == ([], False)  # look again: "a" may take a batch
+    assert consumer.paused == [] and consumer.resumed == ["a"]
+
+
+async def test_with_every_partition_full_too_long_they_are_paused_and_polled() -> None:
+    """Long handlers on every partition: the consumer still polls (a poll keeps it in the
+    group), every partition paused so that the poll takes nothing."""
+    transport, consumer = polling(a=Slots(full=True), b=Slots(full=True, closing=True))
+    began = asyncio.get_running_loop().time()
+    assert await transport._open_partitions() == ([], True)
+    assert asyncio.get_running_loop().time() - began >= SLOT_WAIT_S * 0.9
+    assert sorted(consumer.paused) == ["a", "b"]
