@@ -2,10 +2,10 @@
 
 A fetched batch runs as one `process()` call per wave: a wave never holds two records of one
 record key, so messages of a key run in offset order while the others run side by side. Up to
-BATCHES_IN_FLIGHT batches run at once; a batch's records of keys an earlier one holds wait for
-it to end. At that many the transport leaves the partition out of its polls (what aiokafka
-fetched ahead stays buffered); it is paused while too many are held: a record is not left
-unfetched for a whole batch's claim and completion. A
+BATCHES_IN_FLIGHT batches run at once, so a record is not left unfetched for a whole batch's
+claim and completion; a batch's records of keys an earlier one holds wait for it to end. At
+that many the transport leaves the partition out of its polls (what aiokafka fetched ahead
+stays buffered); the partition is paused while too many messages are held. A
 message the core defers for at least the smallest delay bucket (5 s) goes to its retry topic
 (dedupe_kafka.retries) and is done here once the broker has the copy; one deferred for less, or
 requeued, is held, with the later messages of its key queued behind it, and runs again when

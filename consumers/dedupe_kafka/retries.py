@@ -13,7 +13,7 @@ it at once. The copy keeps the record key, the body and the headers, and carries
   its dead letter goes to `<channel>.dlq`.
 
 The worker consumes the retry topics of its channels in its group; a retry partition runs one
-fetched batch at a time and is paused while that batch waits for its records to be due
+fetched batch at a time and is not polled while that batch waits for its records to be due
 (dedupe_kafka.partition), so a copy never runs early and a wait is bounded by its bucket's
 bound. Like Spring Kafka's non-blocking retries, a record sent to a retry topic no longer holds
 back the later records of its key: they run before it.

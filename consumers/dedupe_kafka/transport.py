@@ -181,6 +181,7 @@ class KafkaTransport(Transport):
         except BaseException:
             await consumer.stop()
             raise
+        _no_prefetch_backoff(consumer)
         self._consumer = consumer
         logger.info("consuming %s as group %s", ", ".join(channels), options.group_id)
         committer = asyncio.create_task(self._commit_loop(), name="kafka-commit")
@@ -231,9 +232,9 @@ class KafkaTransport(Transport):
         A partition running as many fetched batches as it may is left out, not paused: a pause
         makes aiokafka drop the records it fetched ahead, and fetch them again once resumed.
         With every partition left out, wait up to SLOT_WAIT_S for one to take a batch again;
-        past that, pause them all and poll anyway (an empty poll: none may take records), so
-        long handlers never keep the consumer from polling. An empty list polls every
-        assigned partition (none assigned yet, or all of them paused).
+        past that, pause the full ones and poll anyway, so long handlers never keep the
+        consumer from polling. An empty list polls every assigned partition (none assigned yet,
+        or the full ones paused).
         """
         self._slot.clear()
         work = self._partitions
@@ -246,8 +247,12 @@ class KafkaTransport(Transport):
             pass
         else:
             return [], False
-        for tp in work:
-            self._pause(tp)
+        # Only those still full: a batch that ended as the wait timed out has resumed its
+        # partition already (its slot came too late to end the wait), and a partition paused
+        # with no batch left to end would never be resumed.
+        for tp, partition in work.items():
+            if partition.full:
+                self._pause(tp)
         return [], True
 
     def _dispatch(
@@ -367,6 +372,21 @@ class KafkaTransport(Transport):
         for tp, offset in offsets.items():
             partition = by_tp[tp]
             partition.committed = max(partition.committed or 0, offset)
+
+
+def _no_prefetch_backoff(consumer: AIOKafkaConsumer) -> None:
+    """Let aiokafka fetch for a broker's drained partitions while another partition's fetched
+    records wait in its buffer (a full partition, left out of the polls). Its fetcher
+    otherwise sends that broker no fetch at all until the waiting result is 100 ms old (its
+    `prefetch_backoff`, which the consumer does not expose): one partition with slow handlers
+    would hold the others' next fetch back by up to 100 ms. The waiting partition itself is
+    still not fetched again while its records are buffered. Private to aiokafka, hence looked
+    up, not assumed (tests/unit/test_kafka_transport.py checks that it is still there)."""
+    fetcher = getattr(consumer, "_fetcher", None)
+    if fetcher is not None and hasattr(fetcher, "_prefetch_backoff"):
+        fetcher._prefetch_backoff = 0.0
+    else:
+        logger.debug("aiokafka's fetcher has no _prefetch_backoff; left as it is")
 
 
 async def _wait_idle(work: Sequence[PartitionWork], timeout_s: float) -> int:

@@ -211,3 +211,28 @@ async def test_with_every_partition_full_too_long_they_are_paused_and_polled() -
     assert await transport._open_partitions() == ([], True)
     assert asyncio.get_running_loop().time() - began >= SLOT_WAIT_S * 0.9
     assert sorted(consumer.paused) == ["a", "b"]
+
+
+async def test_a_slot_freed_as_the_wait_times_out_leaves_its_partition_unpaused() -> None:
+    """The batch that ends on the wait's last tick resumes its partition (its slot too late to
+    end the wait): the pause that follows must skip it, since no later batch of it may come
+    to resume it (a retry topic's partition runs one batch at a time)."""
+    a = Slots(full=True)
+    transport, consumer = polling(a=a, b=Slots(full=True))
+    waiting = asyncio.ensure_future(transport._open_partitions())
+    await asyncio.sleep(0.01)
+    a.full = False  # freed, its slot unseen by the wait: as if it came on the timeout's tick
+    assert await waiting == ([], True)
+    assert consumer.paused == ["b"]
+
+
+def test_aiokafkas_fetcher_still_has_the_prefetch_backoff_the_transport_turns_off() -> None:
+    """`_no_prefetch_backoff` sets a private attribute of aiokafka's fetcher (one partition's
+    buffered records would hold its broker's other partitions' next fetch back 100 ms): an
+    aiokafka that renames it should fail here, not quietly bring the wait back."""
+    import inspect
+
+    from aiokafka.consumer.fetcher import Fetcher
+
+    assert "prefetch_backoff" in inspect.signature(Fetcher).parameters
+    assert "self._prefetch_backoff = prefetch_backoff" in inspect.getsource(Fetcher.__init__)
