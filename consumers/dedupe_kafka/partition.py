@@ -227,6 +227,8 @@ class PartitionWork:
         # A retry topic's partition runs one batch at a time: not polled while it waits to be due.
         self._depth = 1 if retry is not None else max(1, batches_in_flight)
         self._waiting = False  # its batch waits for a record to be due
+        self.full_since = 0.0  # (time.monotonic) when it last became `full`
+        self.last_full_s = 0.0  # how long its last `full` spell lasted
         self._closed = asyncio.Event()
         # The fetched batches in flight, each with the chain keys of its records.
         self._batches: dict[asyncio.Task[None], frozenset[object]] = {}
@@ -292,6 +294,8 @@ class PartitionWork:
         )
         if not task.done():  # (an eager task factory may have run it to its end already)
             self._batches[task] = frozenset(_chain_key(record) for record in records)
+            if self.full:
+                self.full_since = time.monotonic()
 
     async def _run_batch(
         self,
@@ -310,8 +314,11 @@ class PartitionWork:
             later = [r for r in records if _chain_key(r) in taken]
             await asyncio.gather(self._run_records(now), self._run_records(later, after=earlier))
         finally:
+            was_full = self.full
             if task is not None:
                 self._batches.pop(task, None)
+            if was_full and not self.full:
+                self.last_full_s = time.monotonic() - self.full_since
             self._after_work()
 
     async def _run_records(

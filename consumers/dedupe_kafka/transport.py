@@ -10,10 +10,10 @@ to the retry topics `C.retry.5s`, `C.retry.30s`, `C.retry.2m`, `C.retry.10m` and
   `process()` call (one claim statement) per wave (see dedupe_kafka.partition); up to
   `batches_in_flight` fetched batches of a partition run at once. At that many the partition
   is left out of the next polls (its records fetched ahead stay in aiokafka's buffer; a pause
-  would drop them and fetch them again); it is paused only while too many messages are held,
-  or once every partition has waited SLOT_WAIT_S for a slot, so that the consumer keeps
-  polling and a long handler never gets the worker evicted from the group. Partitions run in
-  parallel.
+  would drop them and fetch them again); one full for FULL_PAUSE_S or more is paused (its
+  buffered records, which hold back the broker's next fetch for the other partitions, are
+  dropped), and so is one holding too many messages, so that the consumer keeps polling and a
+  long handler never gets the worker evicted from the group. Partitions run in parallel.
 - Kafka cannot redeliver one message. A message the core defers for 5 s or more (its key is in
   progress elsewhere, a retry's backoff) is copied to the retry topic of its delay's bucket
   and its offset is done once the broker has the copy (dedupe_kafka.retries); the copy runs as
@@ -72,9 +72,15 @@ logger = logging.getLogger(__name__)
 # The longest wait between two commit attempts while they keep failing unexpectedly.
 COMMIT_BACKOFF_MAX_S = 10.0
 
-# How long the consumer waits for a batch slot while every partition runs as many fetched
-# batches as it may, before it pauses them and polls (a poll keeps it in the group).
-SLOT_WAIT_S = 0.1
+# How long a partition may run as many fetched batches as it may (full) before it is paused.
+# Until then it is only left out of the polls, and what aiokafka fetched ahead for it stays
+# buffered (a pause drops it, to be fetched again on resume: a backlog then ran at the pace of
+# those fetches). Past it the buffered result goes: aiokafka sends its broker no fetch for the
+# other partitions while a buffered result is younger than its prefetch backoff (100 ms), so a
+# partition kept full by slow handlers would slow the fetches of all the others. A partition
+# whose last full spell lasted this long is paused as soon as it is full again. (0.05 s cost a
+# backlog of new keys about a tenth of its rate: fast batches stay full that long at times.)
+FULL_PAUSE_S = 0.1
 
 
 # -- the transport --------------------------------------------------------------------------
@@ -133,6 +139,8 @@ class KafkaTransport(Transport):
         self._handing_over = asyncio.Lock()
         # Set when a partition may take a fetched batch again.
         self._slot = asyncio.Event()
+        # The partitions we paused (a new assignment starts unpaused in aiokafka).
+        self._paused: set[TopicPartition] = set()
 
     @property
     def assignment(self) -> frozenset[TopicPartition]:
@@ -181,7 +189,6 @@ class KafkaTransport(Transport):
         except BaseException:
             await consumer.stop()
             raise
-        _no_prefetch_backoff(consumer)
         self._consumer = consumer
         logger.info("consuming %s as group %s", ", ".join(channels), options.group_id)
         committer = asyncio.create_task(self._commit_loop(), name="kafka-commit")
@@ -229,31 +236,37 @@ class KafkaTransport(Transport):
     async def _open_partitions(self) -> tuple[list[TopicPartition], bool]:
         """The partitions to poll, and whether to poll now.
 
-        A partition running as many fetched batches as it may is left out, not paused: a pause
-        makes aiokafka drop the records it fetched ahead, and fetch them again once resumed.
-        With every partition left out, wait up to SLOT_WAIT_S for one to take a batch again;
-        past that, pause the full ones and poll anyway, so long handlers never keep the
-        consumer from polling. An empty list polls every assigned partition (none assigned yet,
-        or the full ones paused).
+        A full partition (as many fetched batches running as it may) is left out: its records
+        fetched ahead stay in aiokafka's buffer for the next poll. One full for FULL_PAUSE_S or
+        more (or whose last full spell lasted that long: its handlers are slow) is paused and
+        polled: a paused partition returns nothing, and polling it drops its buffered result,
+        which would hold back the broker's next fetch for the others for up to 100 ms.
+        With every partition full for less than that, wait up to FULL_PAUSE_S for a slot and
+        look again. An empty list polls every assigned partition (none assigned yet).
         """
         self._slot.clear()
         work = self._partitions
-        open_ = [tp for tp, p in work.items() if not p.full and not p.closing]
-        if open_ or not work:
-            return open_, True
-        try:
-            await asyncio.wait_for(self._slot.wait(), SLOT_WAIT_S)
-        except TimeoutError:
-            pass
-        else:
-            return [], False
-        # Only those still full: a batch that ended as the wait timed out has resumed its
-        # partition already (its slot came too late to end the wait), and a partition paused
-        # with no batch left to end would never be resumed.
+        if not work:
+            return [], True
+        now = time.monotonic()
+        open_: list[TopicPartition] = []
         for tp, partition in work.items():
-            if partition.full:
+            if partition.closing:
+                continue
+            if not partition.full or tp in self._paused:
+                open_.append(tp)
+            elif (
+                now - partition.full_since >= FULL_PAUSE_S or partition.last_full_s >= FULL_PAUSE_S
+            ):
+                # Full for long, or slow last time too (its handlers outlast the wait): paused
+                # at once from then on, as a fast partition's refetch cost buys nothing there.
                 self._pause(tp)
-        return [], True
+                open_.append(tp)
+        if open_:
+            return open_, True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._slot.wait(), FULL_PAUSE_S)
+        return [], False
 
     def _dispatch(
         self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: list[ConsumerRecord]
@@ -271,6 +284,7 @@ class KafkaTransport(Transport):
     def assign(self, assigned: set[TopicPartition]) -> None:
         assert self._process is not None
         self.rebalances += 1
+        self._paused.difference_update(assigned)  # aiokafka starts a new assignment unpaused
         for tp in assigned:
             retry = retry_bucket(tp.topic)
             self._partitions[tp] = PartitionWork(
@@ -320,6 +334,7 @@ class KafkaTransport(Transport):
 
     def _pause(self, tp: TopicPartition) -> None:
         if self._consumer is not None:
+            self._paused.add(tp)
             with contextlib.suppress(IllegalStateError, KafkaError):
                 self._consumer.pause(tp)
 
@@ -327,6 +342,7 @@ class KafkaTransport(Transport):
         partition = self._partitions.get(tp)
         if self._consumer is not None and partition is not None and not partition.full:
             self._slot.set()
+            self._paused.discard(tp)
             with contextlib.suppress(IllegalStateError, KafkaError):
                 self._consumer.resume(tp)
 
@@ -372,21 +388,6 @@ class KafkaTransport(Transport):
         for tp, offset in offsets.items():
             partition = by_tp[tp]
             partition.committed = max(partition.committed or 0, offset)
-
-
-def _no_prefetch_backoff(consumer: AIOKafkaConsumer) -> None:
-    """Let aiokafka fetch for a broker's drained partitions while another partition's fetched
-    records wait in its buffer (a full partition, left out of the polls). Its fetcher
-    otherwise sends that broker no fetch at all until the waiting result is 100 ms old (its
-    `prefetch_backoff`, which the consumer does not expose): one partition with slow handlers
-    would hold the others' next fetch back by up to 100 ms. The waiting partition itself is
-    still not fetched again while its records are buffered. Private to aiokafka, hence looked
-    up, not assumed (tests/unit/test_kafka_transport.py checks that it is still there)."""
-    fetcher = getattr(consumer, "_fetcher", None)
-    if fetcher is not None and hasattr(fetcher, "_prefetch_backoff"):
-        fetcher._prefetch_backoff = 0.0
-    else:
-        logger.debug("aiokafka's fetcher has no _prefetch_backoff; left as it is")
 
 
 async def _wait_idle(work: Sequence[PartitionWork], timeout_s: float) -> int:

@@ -487,3 +487,22 @@ async def test_the_first_batch_after_an_assignment_and_held_retries_count_as_red
     await asyncio.sleep(0.2)  # the deferred record runs again after 0.05 s
     await h.idle()
     assert sorted(seen) == [(0, 1, True), (1, 1, True), (2, 1, False), (3, 1, False), (3, 2, True)]
+
+
+async def test_a_full_spell_is_timed_from_the_batch_that_filled_it_to_the_one_that_freed_it() -> (
+    None
+):
+    """The transport pauses a partition whose last full spell lasted FULL_PAUSE_S or more as soon
+    as it is full again (slow handlers): the spell's length is what it reads."""
+    h = Gated(0, 1)
+    h.work.feed(records("a"))  # offsets 0 and 1 wait at their gates
+    h.work.feed(records("b", start=1))
+    assert h.work.full and h.work.last_full_s == 0.0
+    await asyncio.sleep(0.05)
+    h.gates[1].set()  # the spell ends with the first batch to end
+    await asyncio.sleep(0.01)
+    assert not h.work.full
+    h.gates[0].set()
+    await h.idle()
+    assert not h.work.full
+    assert 0.05 <= h.work.last_full_s < 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from aiokafka.errors import (
 from dedupe.claims.records import Reason
 from dedupe.transport import BODY_DROPPED_HEADER, Action, Settlement
 from dedupe_kafka.partition import PartitionWork
-from dedupe_kafka.transport import SLOT_WAIT_S, KafkaTransport
+from dedupe_kafka.transport import FULL_PAUSE_S, KafkaTransport
 
 DEAD = Settlement(
     Action.DEAD_LETTER, reason=Reason.HANDLER_ERROR, detail="boom", scope="t.work", key="k1"
@@ -155,10 +156,12 @@ async def test_a_revoked_partition_stops_retrying_its_dead_letter() -> None:
 
 @dataclass
 class Slots:
-    """A partition's `full` and `closing`, as the transport's polling reads them."""
+    """What the transport's polling reads of a partition (dedupe_kafka.partition.PartitionWork)."""
 
     full: bool = False
     closing: bool = False
+    full_since: float = field(default_factory=time.monotonic)
+    last_full_s: float = 0.0
 
 
 @dataclass
@@ -181,7 +184,7 @@ def polling(**partitions: Slots) -> tuple[KafkaTransport, Consumer]:
     return transport, consumer
 
 
-async def test_a_partition_at_its_batches_in_flight_is_left_out_of_the_poll_not_paused() -> None:
+async def test_a_partition_just_full_is_left_out_of_the_poll_not_paused() -> None:
     """A pause would make aiokafka drop what it fetched ahead for the partition (fetched again
     on resume: Kafka duplicates ran at half their rate); it is only not asked for."""
     transport, consumer = polling(a=Slots(full=True), b=Slots(), c=Slots(closing=True))
@@ -191,48 +194,65 @@ async def test_a_partition_at_its_batches_in_flight_is_left_out_of_the_poll_not_
     assert await transport._open_partitions() == ([], True)
 
 
-async def test_with_every_partition_full_a_freed_slot_ends_the_wait_at_once() -> None:
+async def test_a_partition_full_for_long_is_paused_and_polled() -> None:
+    """Its buffered records would hold back the broker's next fetch for the other partitions:
+    paused and polled, so that aiokafka drops them; polled again while paused (a paused
+    partition returns nothing), until a batch ends and resumes it."""
+    long_ago = time.monotonic() - FULL_PAUSE_S
+    transport, consumer = polling(a=Slots(full=True, full_since=long_ago), b=Slots(full=True))
+    assert await transport._open_partitions() == (["a"], True)
+    assert consumer.paused == ["a"]
+    assert await transport._open_partitions() == (["a"], True)
+    transport._partitions["a"].full = False  # type: ignore[misc]
+    transport._resume("a")  # (as PartitionWork does once a batch ends)
+    assert consumer.resumed == ["a"] and transport._paused == set()
+
+
+async def test_with_every_partition_just_full_a_freed_slot_ends_the_wait_at_once() -> None:
     a = Slots(full=True)
     transport, consumer = polling(a=a, b=Slots(full=True))
     waiting = asyncio.ensure_future(transport._open_partitions())
     await asyncio.sleep(0.01)
     a.full = False
     transport._resume("a")  # (as PartitionWork does once a batch ends)
-    async with asyncio.timeout(0.05):  # well under SLOT_WAIT_S
+    async with asyncio.timeout(FULL_PAUSE_S / 2):
         assert await waiting == ([], False)  # look again: "a" may take a batch
     assert consumer.paused == [] and consumer.resumed == ["a"]
 
 
-async def test_with_every_partition_full_too_long_they_are_paused_and_polled() -> None:
-    """Long handlers on every partition: the consumer still polls (a poll keeps it in the
-    group), every partition paused so that the poll takes nothing."""
-    transport, consumer = polling(a=Slots(full=True), b=Slots(full=True, closing=True))
-    began = asyncio.get_running_loop().time()
-    assert await transport._open_partitions() == ([], True)
-    assert asyncio.get_running_loop().time() - began >= SLOT_WAIT_S * 0.9
-    assert sorted(consumer.paused) == ["a", "b"]
+async def test_with_every_partition_full_the_consumer_still_polls() -> None:
+    """Long handlers on every partition: within FULL_PAUSE_S they are paused and polled (a poll
+    keeps the consumer in its group)."""
+    transport, consumer = polling(a=Slots(full=True), b=Slots(full=True))
+    began = time.monotonic()
+    for _ in range(10):  # bounded
+        partitions, poll = await transport._open_partitions()
+        if poll:
+            break
+    assert poll and sorted(partitions) == ["a", "b"] and sorted(consumer.paused) == ["a", "b"]
+    assert FULL_PAUSE_S * 0.9 <= time.monotonic() - began < 1.0
 
 
 async def test_a_slot_freed_as_the_wait_times_out_leaves_its_partition_unpaused() -> None:
     """The batch that ends on the wait's last tick resumes its partition (its slot too late to
-    end the wait): the pause that follows must skip it, since no later batch of it may come
-    to resume it (a retry topic's partition runs one batch at a time)."""
+    end the wait): nothing pauses it after that, since no later batch of it may come to resume
+    it (a retry topic's partition runs one batch at a time)."""
     a = Slots(full=True)
     transport, consumer = polling(a=a, b=Slots(full=True))
     waiting = asyncio.ensure_future(transport._open_partitions())
     await asyncio.sleep(0.01)
     a.full = False  # freed, its slot unseen by the wait: as if it came on the timeout's tick
-    assert await waiting == ([], True)
-    assert consumer.paused == ["b"]
+    assert await waiting == ([], False)
+    partitions, poll = await transport._open_partitions()
+    assert poll and "a" in partitions
+    assert "a" not in consumer.paused  # ("b", full all along, is paused by now)
 
 
-def test_aiokafkas_fetcher_still_has_the_prefetch_backoff_the_transport_turns_off() -> None:
-    """`_no_prefetch_backoff` sets a private attribute of aiokafka's fetcher (one partition's
-    buffered records would hold its broker's other partitions' next fetch back 100 ms): an
-    aiokafka that renames it should fail here, not quietly bring the wait back."""
-    import inspect
-
-    from aiokafka.consumer.fetcher import Fetcher
-
-    assert "prefetch_backoff" in inspect.signature(Fetcher).parameters
-    assert "self._prefetch_backoff = prefetch_backoff" in inspect.getsource(Fetcher.__init__)
+async def test_a_partition_whose_last_full_spell_was_long_is_paused_as_soon_as_it_is_full() -> None:
+    """Slow handlers: its refetch costs nothing worth saving, and its buffered records would
+    hold back the other partitions' fetches for up to 100 ms each time."""
+    slow = Slots(full=True, last_full_s=FULL_PAUSE_S)
+    fast = Slots(full=True, last_full_s=FULL_PAUSE_S / 4)
+    transport, consumer = polling(a=slow, b=fast, c=Slots())
+    assert await transport._open_partitions() == (["a", "c"], True)
+    assert consumer.paused == ["a"]
