@@ -10,10 +10,11 @@ to the retry topics `C.retry.5s`, `C.retry.30s`, `C.retry.2m`, `C.retry.10m` and
   `process()` call (one claim statement) per wave (see dedupe_kafka.partition); up to
   `batches_in_flight` fetched batches of a partition run at once. At that many the partition
   is left out of the next polls (its records fetched ahead stay in aiokafka's buffer; a pause
-  would drop them and fetch them again); one full for FULL_PAUSE_S or more is paused (its
-  buffered records, which hold back the broker's next fetch for the other partitions, are
-  dropped), and so is one holding too many messages, so that the consumer keeps polling and a
-  long handler never gets the worker evicted from the group. Partitions run in parallel.
+  would drop them and fetch them again); one full for FULL_PAUSE_S or more, or whose last full
+  spell lasted that long, is paused (its buffered records, which hold back the broker's next
+  fetch for the other partitions, are dropped), and so is one holding too many messages, so
+  that the consumer keeps polling and a long handler never gets the worker evicted from the
+  group. Partitions run in parallel.
 - Kafka cannot redeliver one message. A message the core defers for 5 s or more (its key is in
   progress elsewhere, a retry's backoff) is copied to the retry topic of its delay's bucket
   and its offset is done once the broker has the copy (dedupe_kafka.retries); the copy runs as
@@ -139,8 +140,6 @@ class KafkaTransport(Transport):
         self._handing_over = asyncio.Lock()
         # Set when a partition may take a fetched batch again.
         self._slot = asyncio.Event()
-        # The partitions we paused (a new assignment starts unpaused in aiokafka).
-        self._paused: set[TopicPartition] = set()
 
     @property
     def assignment(self) -> frozenset[TopicPartition]:
@@ -194,8 +193,8 @@ class KafkaTransport(Transport):
         committer = asyncio.create_task(self._commit_loop(), name="kafka-commit")
         try:
             while not stop.is_set():
-                open_, polled = await self._open_partitions()
-                if not polled:
+                open_ = await self._open_partitions()
+                if open_ is None:
                     continue
                 try:
                     # A partition that may take a batch again while getmany waits is not
@@ -233,8 +232,9 @@ class KafkaTransport(Transport):
                 await consumer.stop()  # leaves the group: the others take over at once
             self._consumer = None
 
-    async def _open_partitions(self) -> tuple[list[TopicPartition], bool]:
-        """The partitions to poll, and whether to poll now.
+    async def _open_partitions(self) -> list[TopicPartition] | None:
+        """The partitions to poll (an empty list: every assigned one, none assigned yet), or
+        None to look again.
 
         A full partition (as many fetched batches running as it may) is left out: its records
         fetched ahead stay in aiokafka's buffer for the next poll. One full for FULL_PAUSE_S or
@@ -242,31 +242,33 @@ class KafkaTransport(Transport):
         polled: a paused partition returns nothing, and polling it drops its buffered result,
         which would hold back the broker's next fetch for the others for up to 100 ms.
         With every partition full for less than that, wait up to FULL_PAUSE_S for a slot and
-        look again. An empty list polls every assigned partition (none assigned yet).
+        look again.
         """
         self._slot.clear()
         work = self._partitions
         if not work:
-            return [], True
+            return []
+        paused = self._consumer.paused() if self._consumer is not None else set()
         now = time.monotonic()
         open_: list[TopicPartition] = []
         for tp, partition in work.items():
             if partition.closing:
                 continue
-            if not partition.full or tp in self._paused:
-                open_.append(tp)
-            elif (
-                now - partition.full_since >= FULL_PAUSE_S or partition.last_full_s >= FULL_PAUSE_S
-            ):
+            if partition.full and tp not in paused:
+                if (
+                    now - partition.full_since < FULL_PAUSE_S
+                    and partition.last_full_s < FULL_PAUSE_S
+                ):
+                    continue  # left out: what aiokafka fetched ahead for it stays buffered
                 # Full for long, or slow last time too (its handlers outlast the wait): paused
                 # at once from then on, as a fast partition's refetch cost buys nothing there.
                 self._pause(tp)
-                open_.append(tp)
+            open_.append(tp)
         if open_:
-            return open_, True
+            return open_
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._slot.wait(), FULL_PAUSE_S)
-        return [], False
+        return None
 
     def _dispatch(
         self, consumer: AIOKafkaConsumer, tp: TopicPartition, records: list[ConsumerRecord]
@@ -284,7 +286,6 @@ class KafkaTransport(Transport):
     def assign(self, assigned: set[TopicPartition]) -> None:
         assert self._process is not None
         self.rebalances += 1
-        self._paused.difference_update(assigned)  # aiokafka starts a new assignment unpaused
         for tp in assigned:
             retry = retry_bucket(tp.topic)
             self._partitions[tp] = PartitionWork(
@@ -334,7 +335,6 @@ class KafkaTransport(Transport):
 
     def _pause(self, tp: TopicPartition) -> None:
         if self._consumer is not None:
-            self._paused.add(tp)
             with contextlib.suppress(IllegalStateError, KafkaError):
                 self._consumer.pause(tp)
 
@@ -342,7 +342,6 @@ class KafkaTransport(Transport):
         partition = self._partitions.get(tp)
         if self._consumer is not None and partition is not None and not partition.full:
             self._slot.set()
-            self._paused.discard(tp)
             with contextlib.suppress(IllegalStateError, KafkaError):
                 self._consumer.resume(tp)
 

@@ -168,14 +168,19 @@ class Slots:
 
 @dataclass
 class Consumer:
-    paused: list[str] = field(default_factory=list)
-    resumed: list[str] = field(default_factory=list)
+    """aiokafka's pause, resume and paused(), with the calls kept in order."""
+
+    pauses: list[str] = field(default_factory=list)
+    resumes: list[str] = field(default_factory=list)
 
     def pause(self, tp: str) -> None:
-        self.paused.append(tp)
+        self.pauses.append(tp)
 
     def resume(self, tp: str) -> None:
-        self.resumed.append(tp)
+        self.resumes.append(tp)
+
+    def paused(self) -> set[str]:
+        return {tp for tp in self.pauses if self.pauses.count(tp) > self.resumes.count(tp)}
 
 
 def polling(**partitions: Slots) -> tuple[KafkaTransport, Consumer]:
@@ -190,10 +195,10 @@ async def test_a_partition_just_full_is_left_out_of_the_poll_not_paused() -> Non
     """A pause would make aiokafka drop what it fetched ahead for the partition (fetched again
     on resume: Kafka duplicates ran at half their rate); it is only not asked for."""
     transport, consumer = polling(a=Slots(full=True), b=Slots(), c=Slots(closing=True))
-    assert await transport._open_partitions() == (["b"], True)
-    assert consumer.paused == []
+    assert await transport._open_partitions() == ["b"]
+    assert consumer.pauses == []
     transport, consumer = polling()  # nothing assigned yet: poll every partition
-    assert await transport._open_partitions() == ([], True)
+    assert await transport._open_partitions() == []
 
 
 async def test_a_partition_full_for_long_is_paused_and_polled() -> None:
@@ -202,12 +207,12 @@ async def test_a_partition_full_for_long_is_paused_and_polled() -> None:
     partition returns nothing), until a batch ends and resumes it."""
     long_ago = time.monotonic() - FULL_PAUSE_S
     transport, consumer = polling(a=Slots(full=True, full_since=long_ago), b=Slots(full=True))
-    assert await transport._open_partitions() == (["a"], True)
-    assert consumer.paused == ["a"]
-    assert await transport._open_partitions() == (["a"], True)
+    assert await transport._open_partitions() == ["a"]
+    assert consumer.pauses == ["a"]
+    assert await transport._open_partitions() == ["a"]
     transport._partitions["a"].full = False  # type: ignore[misc]
     transport._resume("a")  # (as PartitionWork does once a batch ends)
-    assert consumer.resumed == ["a"] and transport._paused == set()
+    assert consumer.resumes == ["a"] and consumer.paused() == set()
 
 
 async def test_with_every_partition_just_full_a_freed_slot_ends_the_wait_at_once(
@@ -222,8 +227,8 @@ async def test_with_every_partition_just_full_a_freed_slot_ends_the_wait_at_once
     a.full = False
     transport._resume("a")  # (as PartitionWork does once a batch ends)
     async with asyncio.timeout(5):
-        assert await waiting == ([], False)  # look again: "a" may take a batch
-    assert consumer.paused == [] and consumer.resumed == ["a"]
+        assert await waiting is None  # look again: "a" may take a batch
+    assert consumer.pauses == [] and consumer.resumes == ["a"]
 
 
 async def test_with_every_partition_full_the_consumer_still_polls() -> None:
@@ -234,10 +239,11 @@ async def test_with_every_partition_full_the_consumer_still_polls() -> None:
         a=Slots(full=True, full_since=began), b=Slots(full=True, full_since=began)
     )
     for _ in range(10):  # bounded
-        partitions, poll = await transport._open_partitions()
-        if poll:
+        partitions = await transport._open_partitions()
+        if partitions is not None:
             break
-    assert poll and sorted(partitions) == ["a", "b"] and sorted(consumer.paused) == ["a", "b"]
+    assert partitions is not None
+    assert sorted(partitions) == ["a", "b"] and sorted(consumer.pauses) == ["a", "b"]
     assert FULL_PAUSE_S * 0.9 <= time.monotonic() - began < 5.0
 
 
@@ -251,10 +257,10 @@ async def test_a_slot_freed_as_the_wait_times_out_leaves_its_partition_unpaused(
     waiting = asyncio.ensure_future(transport._open_partitions())
     await asyncio.sleep(0.01)
     a.full = False  # freed, its slot unseen by the wait: as if it came on the timeout's tick
-    assert await waiting == ([], False)
-    partitions, poll = await transport._open_partitions()
-    assert poll and sorted(partitions) == ["a", "b"]
-    assert consumer.paused == ["b"]  # full all along; "a", freed, is never paused
+    assert await waiting is None
+    partitions = await transport._open_partitions()
+    assert partitions is not None and sorted(partitions) == ["a", "b"]
+    assert consumer.pauses == ["b"]  # full all along; "a", freed, is never paused
 
 
 async def test_a_partition_whose_last_full_spell_was_long_is_paused_as_soon_as_it_is_full() -> None:
@@ -263,5 +269,5 @@ async def test_a_partition_whose_last_full_spell_was_long_is_paused_as_soon_as_i
     slow = Slots(full=True, last_full_s=FULL_PAUSE_S)
     fast = Slots(full=True, last_full_s=FULL_PAUSE_S / 4)
     transport, consumer = polling(a=slow, b=fast, c=Slots())
-    assert await transport._open_partitions() == (["a", "c"], True)
-    assert consumer.paused == ["a"]
+    assert await transport._open_partitions() == ["a", "c"]
+    assert consumer.pauses == ["a"]
