@@ -92,10 +92,9 @@ async def publish(channel: str, args: argparse.Namespace) -> None:
     try:
         loop = asyncio.get_running_loop()
         start, sent, ticks = loop.time(), 0, int(args.seconds * 100)
+        rates = [args.slow_rate] + [args.fast_rate / 3] * 3  # by partition
         for tick in range(ticks):
-            due = {0: args.slow_rate, 1: args.fast_rate / 3, 2: args.fast_rate / 3}
-            due[3] = args.fast_rate / 3
-            for partition, rate in due.items():
+            for partition, rate in enumerate(rates):
                 count = int(rate * (tick + 1) / 100) - int(rate * tick / 100)
                 for _ in range(count):
                     mid = f"{channel}-{sent}".encode()
