@@ -122,7 +122,6 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
     per_tick = max(1, round(target * tick))
     sent = 0
     loop = asyncio.get_running_loop()
-    start = loop.time()
     if kind.startswith("kafka"):
         from aiokafka import AIOKafkaProducer
 
@@ -144,6 +143,7 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
 
         try:
             with _no_full_collections():
+                start = loop.time()  # once connected: the connection's time is no backlog
                 while sent < total:
                     for _ in range(min(per_tick, total - sent)):
                         mid = f"{channel}-{sent}".encode()
@@ -169,6 +169,7 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
     async with connection:
         amqp = await connection.channel(publisher_confirms=False)
         with _no_full_collections():
+            start = loop.time()
             while sent < total:
                 for _ in range(min(per_tick, total - sent)):
                     await amqp.default_exchange.publish(
@@ -188,7 +189,8 @@ def _no_full_collections() -> Iterator[None]:
     """While pacing, the objects this process had before it are out of the cyclic GC's reach
     (gc.freeze), so a full collection scans only what the pacing made. A pause of the load
     generator is not offered load: the pacer sends what it missed at once after it, and that
-    burst, not the rate, was the tail it measured."""
+    burst, not the rate, was the tail it measured. (So is its connecting, hence the pacing's
+    clock starts after it.)"""
     gc.collect()
     gc.freeze()
     try:
