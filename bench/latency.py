@@ -4,12 +4,11 @@ at offered rates paced in 10 ms ticks (bench.run's `latency` scenario)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bench.harness import (
@@ -118,10 +117,6 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
     tick that went past it (whole ticks of round(target / 100) each) was counted as sent and
     never settled: ~50 of 63,872 short at 6,381/s, on the raw client as on dedupe-worker.
     """
-    tick = 0.01
-    per_tick = max(1, round(target * tick))
-    sent = 0
-    loop = asyncio.get_running_loop()
     if kind.startswith("kafka"):
         from aiokafka import AIOKafkaProducer
 
@@ -131,7 +126,7 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
         await producer.start()
         # The acks not yet in, and a count of the refused: a list of every ack (100,000 futures
         # at 10,000/s) made this process's full collections grow to 75 ms, and each pause came
-        # out as a burst the worker then had to absorb (see _no_full_collections).
+        # out as a burst the worker then had to absorb (see _paced).
         pending: set[asyncio.Future[Any]] = set()
         failed = 0
 
@@ -141,19 +136,16 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
             if ack.cancelled() or ack.exception() is not None:
                 failed += 1
 
+        async def record(i: int) -> None:
+            mid = f"{channel}-{i}".encode()
+            ack = await producer.send(
+                channel, b"t%.6f" % time.time(), key=mid, headers=[("message-id", mid)]
+            )
+            pending.add(ack)
+            ack.add_done_callback(acked)
+
         try:
-            with _no_full_collections():
-                start = loop.time()  # once connected: the connection's time is no backlog
-                while sent < total:
-                    for _ in range(min(per_tick, total - sent)):
-                        mid = f"{channel}-{sent}".encode()
-                        ack = await producer.send(
-                            channel, b"t%.6f" % time.time(), key=mid, headers=[("message-id", mid)]
-                        )
-                        pending.add(ack)
-                        ack.add_done_callback(acked)
-                        sent += 1
-                    await asyncio.sleep(max(0.0, start + sent / target - loop.time()))
+            await _paced(record, target, total)
             if pending:
                 await asyncio.wait(set(pending))
         finally:
@@ -161,39 +153,45 @@ async def pace(kind: str, channel: str, target: float, total: int) -> int:
         # A record the broker did not take was never offered: counting it would make the
         # worker look as if it lost it.
         if failed:
-            print(f"  ({failed} of {sent} records not taken by Kafka)", flush=True)
-        return sent - failed
+            print(f"  ({failed} of {total} records not taken by Kafka)", flush=True)
+        return total - failed
     import aio_pika
 
     connection = await aio_pika.connect(AMQP_URL)
     async with connection:
         amqp = await connection.channel(publisher_confirms=False)
-        with _no_full_collections():
-            start = loop.time()
-            while sent < total:
-                for _ in range(min(per_tick, total - sent)):
-                    await amqp.default_exchange.publish(
-                        aio_pika.Message(b"t%.6f" % time.time(), message_id=f"{channel}-{sent}"),
-                        routing_key=channel,
-                    )
-                    sent += 1
-                await asyncio.sleep(max(0.0, start + sent / target - loop.time()))
+
+        async def message(i: int) -> None:
+            await amqp.default_exchange.publish(
+                aio_pika.Message(b"t%.6f" % time.time(), message_id=f"{channel}-{i}"),
+                routing_key=channel,
+            )
+
+        await _paced(message, target, total)
         # A round trip on the channel once all are written, so a close right after the last
         # tick cannot drop it.
         await amqp.declare_queue(channel, passive=True)
-    return sent
+    return total
 
 
-@contextlib.contextmanager
-def _no_full_collections() -> Iterator[None]:
-    """While pacing, the objects this process had before it are out of the cyclic GC's reach
+async def _paced(send: Callable[[int], Awaitable[None]], target: float, total: int) -> None:
+    """send(0) .. send(total - 1), round(target / 100) every 10 ms, the clock started once the
+    broker is connected (its connecting is no backlog to catch up on).
+
+    While pacing, the objects this process had before it are out of the cyclic GC's reach
     (gc.freeze), so a full collection scans only what the pacing made. A pause of the load
     generator is not offered load: the pacer sends what it missed at once after it, and that
-    burst, not the rate, was the tail it measured. (So is its connecting, hence the pacing's
-    clock starts after it.)"""
+    burst, not the rate, was the tail it measured."""
+    per_tick = max(1, round(target * 0.01))
+    loop = asyncio.get_running_loop()
     gc.collect()
     gc.freeze()
     try:
-        yield
+        start, sent = loop.time(), 0
+        while sent < total:
+            for _ in range(min(per_tick, total - sent)):
+                await send(sent)
+                sent += 1
+            await asyncio.sleep(max(0.0, start + sent / target - loop.time()))
     finally:
         gc.unfreeze()

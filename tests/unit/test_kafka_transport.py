@@ -168,19 +168,23 @@ class Slots:
 
 @dataclass
 class Consumer:
-    """aiokafka's pause, resume and paused(), with the calls kept in order."""
+    """aiokafka's pause, resume and paused() (a flag per partition: pausing twice and resuming
+    once leaves it unpaused), with the calls kept in order."""
 
     pauses: list[str] = field(default_factory=list)
     resumes: list[str] = field(default_factory=list)
+    _paused: set[str] = field(default_factory=set)
 
     def pause(self, tp: str) -> None:
         self.pauses.append(tp)
+        self._paused.add(tp)
 
     def resume(self, tp: str) -> None:
         self.resumes.append(tp)
+        self._paused.discard(tp)
 
     def paused(self) -> set[str]:
-        return {tp for tp in self.pauses if self.pauses.count(tp) > self.resumes.count(tp)}
+        return set(self._paused)
 
 
 def polling(**partitions: Slots) -> tuple[KafkaTransport, Consumer]:
