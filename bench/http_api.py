@@ -94,6 +94,87 @@ def without() -> Any:
     return _OwnTransaction(api)
 
 
+HAND_KEYS = """
+CREATE TABLE IF NOT EXISTS hand_keys (
+    caller text NOT NULL,
+    key    text NOT NULL,
+    answer text NOT NULL,
+    PRIMARY KEY (caller, key)
+);
+"""
+
+
+def by_hand() -> Any:
+    """The same endpoint made idempotent by hand, the fewest statements one transaction can
+    take (no dedupe code): BEGIN, the order's INSERT, the key's INSERT with the answer (ON
+    CONFLICT DO NOTHING), COMMIT; a key already stored rolls the order back and reads the
+    answer. No lease, no payload check, no attempts, no metrics: a floor for what any
+    one-transaction design adds to the endpoint, not a baseline a user could run safely
+    (a replay does not carry the first answer's headers). bench.http_core's `hand` mode."""
+    from fastapi import FastAPI, Request, Response
+
+    from handlers.orders_api import Order, setup
+
+    url = os.environ["DEDUPE_DATABASE_URL"]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(api: FastAPI) -> AsyncIterator[None]:
+        from dedupe.claims.database import connect_pool
+
+        await setup(url)
+        api.state.pool = await connect_pool(url, max_size=20)
+        async with api.state.pool.acquire() as conn:
+            await conn.execute(HAND_KEYS)
+        try:
+            yield
+        finally:
+            await api.state.pool.close()
+
+    api = FastAPI(lifespan=lifespan)
+
+    async def create_order(order: Order, request: Request, response: Response) -> Any:
+        caller, key = request.headers["authorization"], request.headers["idempotency-key"]
+        async with request.app.state.pool.acquire() as conn:
+            try:
+                async with conn.transaction():
+                    order_id = await conn.fetchval(
+                        "INSERT INTO orders (sku, quantity, idempotency_key) VALUES ($1, $2, $3) "
+                        "RETURNING id",
+                        order.sku,
+                        order.quantity,
+                        key,
+                    )
+                    made = {"order_id": order_id, "sku": order.sku, "quantity": order.quantity}
+                    # What a replay answers: the bytes FastAPI renders `made` as.
+                    answer = json.dumps(made, separators=(",", ":"))
+                    stored = await conn.fetchval(
+                        "INSERT INTO hand_keys (caller, key, answer) VALUES ($1, $2, $3) "
+                        "ON CONFLICT DO NOTHING RETURNING true",
+                        caller,
+                        key,
+                        answer,
+                    )
+                    if not stored:
+                        raise _Replay  # rolls the order back
+            except _Replay:
+                answer = await conn.fetchval(
+                    "SELECT answer FROM hand_keys WHERE caller = $1 AND key = $2", caller, key
+                )
+                return Response(answer, 201, media_type="application/json")
+        response.headers["Location"] = f"/orders/{order_id}"
+        return made  # as the endpoint answers it
+
+    # The annotations as objects: this module's `from __future__ import annotations` makes them
+    # names FastAPI would look up in the module, where these are not.
+    create_order.__annotations__ = {"order": Order, "request": Request, "response": Response}
+    api.post("/orders", status_code=201)(create_order)
+    return api
+
+
+class _Replay(Exception):
+    """by_hand: the key is stored already; the order is rolled back, the answer read."""
+
+
 class _OwnTransaction:
     """request.state.idempotency.db as a plain transaction, committed as the answer starts."""
 

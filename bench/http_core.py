@@ -1,13 +1,15 @@
 """CPU per request of IdempotencyMiddleware: the orders API driven in-process, no HTTP server.
 
     .venv/bin/python -m bench.http_core [--n 2000] [--concurrency 16] [--rounds 3]
-                                        [--modes bare,two,one] [--profile out.txt]
+                                        [--modes bare,hand,two,one] [--profile out.txt]
 
 handlers/orders_api.py's `POST /orders` (the API of bench/http_api.py) is called as an ASGI app
 by `--concurrency` tasks, on a real PostgreSQL (a fresh database), without uvicorn or sockets:
-the endpoint alone (`bare`: its writes in a transaction of their own), then behind the
-middleware on two commits (`two`) and in one transaction (`one`), each with `--n` new keys and
-then the same `--n` requests again (replays). Reported: this process's CPU time per request
+the endpoint alone (`bare`: its writes in a transaction of their own), the same endpoint made
+idempotent by hand in the fewest statements one transaction can take (`hand`,
+bench.http_api.by_hand: a floor, not a safe baseline), then behind the middleware on two commits
+(`two`) and in one transaction (`one`), each keyed mode with `--n` new keys and then the same
+`--n` requests again (replays). Reported: this process's CPU time per request
 (`time.process_time`; the asyncpg client's work is in it, PostgreSQL's is not), which a busy
 machine disturbs far less than a rate. The middleware's own cost is a mode's figure minus the
 endpoint's. `--profile` writes cProfile's top functions of the keyed phases. Not in the tests.
@@ -39,7 +41,7 @@ if str(ROOT) not in sys.path:
 BODY = json.dumps({"sku": "bench", "quantity": 1}).encode()
 TOKEN = b"Bearer bench-token"
 SECRET = "bench-only-principal-secret"
-MODES = ("bare", "two", "one")
+MODES = ("bare", "hand", "two", "one")
 T = TypeVar("T")
 
 
@@ -50,6 +52,8 @@ def make_api(mode: str, url: str) -> Any:
 
     if mode == "bare":
         return http_api.without()
+    if mode == "hand":
+        return http_api.by_hand()
     if mode == "two":
         return http_api.with_middleware()
     return http_api.with_one_transaction()
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=2000, help="requests per phase")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--modes", default="bare,two,one", help="of bare, two, one")
+    parser.add_argument("--modes", default="bare,two,one", help="of bare, hand, two, one")
     parser.add_argument("--asyncio", dest="uvloop", action="store_false", help="no uvloop")
     parser.add_argument("--profile", help="write a profile of the keyed phases here")
     parser.add_argument("--profiler", choices=["pyinstrument", "cprofile"], default="pyinstrument")
