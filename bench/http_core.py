@@ -102,21 +102,7 @@ async def post(
     app: Any, state: dict[str, Any], path: str, headers: list[tuple[bytes, bytes]], body: bytes
 ) -> int:
     """One POST of `body` to `path` as uvicorn would pass it to the ASGI app; its status."""
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "server": ("127.0.0.1", 8000),
-        "client": ("127.0.0.1", 50000),
-        "scheme": "http",
-        "method": "POST",
-        "root_path": "",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": headers,
-        "state": dict(state),
-    }
+    scope = post_scope(state, path, headers)
     done = asyncio.get_running_loop().create_future()
     received = False
     status = 0
@@ -139,6 +125,27 @@ async def post(
     await app(scope, receive, send)
     _settle(done)
     return status
+
+
+def post_scope(
+    state: dict[str, Any], path: str, headers: list[tuple[bytes, bytes]]
+) -> dict[str, Any]:
+    """The ASGI scope uvicorn passes for a POST to `path` with `headers` (the lifespan's state)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 50000),
+        "scheme": "http",
+        "method": "POST",
+        "root_path": "",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": headers,
+        "state": dict(state),
+    }
 
 
 def _settle(done: asyncio.Future[None]) -> None:

@@ -26,27 +26,14 @@ async def post(app: Any, state: dict[str, Any], key: str) -> tuple[int, bytes]:
         elif message["type"] == "http.response.body":
             answer["body"] += message.get("body", b"")
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "server": ("127.0.0.1", 8000),
-        "client": ("127.0.0.1", 50000),
-        "scheme": "http",
-        "method": "POST",
-        "root_path": "",
-        "path": "/orders",
-        "raw_path": b"/orders",
-        "query_string": b"",
-        "headers": [
-            (b"host", b"127.0.0.1:8000"),
-            (b"authorization", http_core.TOKEN),
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(http_core.BODY)).encode()),
-            (b"idempotency-key", key.encode()),
-        ],
-        "state": dict(state),
-    }
+    headers = [
+        (b"host", b"127.0.0.1:8000"),
+        (b"authorization", http_core.TOKEN),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(http_core.BODY)).encode()),
+        (b"idempotency-key", key.encode()),
+    ]
+    scope = http_core.post_scope(state, "/orders", headers)
     await app(scope, receive, send)
     return answer["status"], answer["body"]
 
