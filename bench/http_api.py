@@ -74,24 +74,34 @@ def without() -> Any:
     """The same endpoint with no middleware: its writes in a transaction of their own."""
     from fastapi import FastAPI
 
-    from handlers.orders_api import create_order, setup
+    from handlers.orders_api import create_order
 
-    url = os.environ["DEDUPE_DATABASE_URL"]
+    api = FastAPI(lifespan=_orders_pool())
+    api.post("/orders", status_code=201)(create_order)
+    return _OwnTransaction(api)
+
+
+def _orders_pool(*schema: str) -> Any:
+    """The lifespan of the servers without the middleware: the orders table (and `schema`) on
+    DEDUPE_DATABASE_URL, and a pool of 20 in `app.state.pool`."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(api: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(api: Any) -> AsyncIterator[None]:
         from dedupe.claims.database import connect_pool
+        from handlers.orders_api import setup
 
+        url = os.environ["DEDUPE_DATABASE_URL"]
         await setup(url)
         api.state.pool = await connect_pool(url, max_size=20)
         try:
+            async with api.state.pool.acquire() as conn:
+                for statement in schema:
+                    await conn.execute(statement)
             yield
         finally:
             await api.state.pool.close()
 
-    api = FastAPI(lifespan=lifespan)
-    api.post("/orders", status_code=201)(create_order)
-    return _OwnTransaction(api)
+    return lifespan
 
 
 HAND_KEYS = """
@@ -113,24 +123,9 @@ def by_hand() -> Any:
     (a replay does not carry the first answer's headers). bench.http_core's `hand` mode."""
     from fastapi import FastAPI, Request, Response
 
-    from handlers.orders_api import Order, setup
+    from handlers.orders_api import Order
 
-    url = os.environ["DEDUPE_DATABASE_URL"]
-
-    @contextlib.asynccontextmanager
-    async def lifespan(api: FastAPI) -> AsyncIterator[None]:
-        from dedupe.claims.database import connect_pool
-
-        await setup(url)
-        api.state.pool = await connect_pool(url, max_size=20)
-        async with api.state.pool.acquire() as conn:
-            await conn.execute(HAND_KEYS)
-        try:
-            yield
-        finally:
-            await api.state.pool.close()
-
-    api = FastAPI(lifespan=lifespan)
+    api = FastAPI(lifespan=_orders_pool(HAND_KEYS))
 
     async def create_order(order: Order, request: Request, response: Response) -> Any:
         caller, key = request.headers["authorization"], request.headers["idempotency-key"]
