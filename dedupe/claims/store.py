@@ -362,7 +362,18 @@ class ClaimStore:
         async def send(batch: Sequence[tuple[Fence, str, float]]) -> list[asyncpg.Record]:
             return await self._fetch("complete", *_outcome_columns(batch), conn=conn)
 
-        if conn is not None:
+        if conn is not None and len(outcomes) == 1:
+            [(fence, result, retention_s)] = outcomes
+            rows = await self._fetch(
+                "complete_one",
+                fence.scope,
+                fence.key,
+                fence.token,
+                result,
+                float(retention_s),
+                conn=conn,
+            )
+        elif conn is not None:
             rows = await send(outcomes)
         else:
             rows, refused = await self._each(outcomes, send)

@@ -174,6 +174,16 @@ UPDATE dedupe_claims AS c
    AND c.status IN ('in_progress', 'completed')
 RETURNING c.scope, c.key;
 
+-- name: complete_one
+-- `complete` for one outcome, with scalars: what a handler's or a request's own transaction
+-- completes (no arrays to build on the client nor to unnest on the server).
+UPDATE dedupe_claims AS c
+   SET status = 'completed', result = $4::jsonb, lease_until = NULL, error = NULL,
+       updated_at = now(), expires_at = now() + make_interval(secs => $5::float8)
+ WHERE c.scope = $1 AND c.key = $2 AND c.token = $3
+   AND c.status IN ('in_progress', 'completed')
+RETURNING c.scope, c.key;
+
 -- name: complete_unlocked
 -- `complete` for a statement shared by callers that must not wait for each other (the
 -- receiver's replies): a row another transaction holds locked is skipped, not waited for, and
