@@ -68,14 +68,16 @@ def make_app(channel: str, handler: str, tally: Any = None, publisher: Any = Non
 # -- the webhook receiver a user writes without dedupe-worker (bench.receiver's baseline) -----
 
 
-def hand_written_receiver() -> Any:
+def hand_written_receiver(*, publish: bool = True) -> Any:
     """`POST /webhooks/github` as a user would write it on the receiver's stack (Starlette on
     uvicorn): verify X-Hub-Signature-256 (HMAC-SHA256, constant-time compare), publish the event
     to a durable RabbitMQ queue with publisher confirms on one connection and one channel opened
     at startup, answer 202. No key is claimed, no reply stored: a replay is one more publish.
+    `publish=False` (verify_only_receiver): the same without the publish, the least any
+    receiver on this stack does for a request (what a replay cannot go below).
 
     Run as `uvicorn --factory bench.apps:hand_written_receiver`; reads GITHUB_WEBHOOK_SECRET,
-    BENCH_AMQP_URL and BENCH_QUEUE from the environment.
+    BENCH_AMQP_URL and BENCH_QUEUE from the environment (only the secret without the publish).
     """
     import aio_pika
     from starlette.applications import Starlette
@@ -84,16 +86,16 @@ def hand_written_receiver() -> Any:
     from starlette.routing import Route
 
     secret = os.environ["GITHUB_WEBHOOK_SECRET"].encode()
-    url = os.environ["BENCH_AMQP_URL"]
-    queue = os.environ["BENCH_QUEUE"]
 
     @contextlib.asynccontextmanager
     async def lifespan(api: Starlette) -> AsyncIterator[None]:
+        url, queue = os.environ["BENCH_AMQP_URL"], os.environ["BENCH_QUEUE"]
         connection = await aio_pika.connect(url)
         async with connection:
             channel = await connection.channel(publisher_confirms=True)
             await channel.declare_queue(queue, durable=True)
             api.state.channel = channel
+            api.state.queue = queue
             yield
 
     async def github(request: Request) -> JSONResponse:
@@ -105,16 +107,25 @@ def hand_written_receiver() -> Any:
         delivery = request.headers.get("x-github-delivery")
         if not delivery:
             return JSONResponse({"error": "no X-GitHub-Delivery"}, status_code=400)
-        message = aio_pika.Message(
-            body,
-            message_id=delivery,
-            content_type="application/json",
-            headers={"x-github-event": request.headers.get("x-github-event", "")},
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        )
-        # Returns once RabbitMQ has confirmed it (the channel has publisher confirms on).
-        await request.app.state.channel.default_exchange.publish(message, routing_key=queue)
+        if publish:
+            message = aio_pika.Message(
+                body,
+                message_id=delivery,
+                content_type="application/json",
+                headers={"x-github-event": request.headers.get("x-github-event", "")},
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
+            # Returns once RabbitMQ has confirmed it (the channel has publisher confirms on).
+            await request.app.state.channel.default_exchange.publish(
+                message, routing_key=request.app.state.queue
+            )
         return JSONResponse({"status": "accepted", "delivery": delivery}, status_code=202)
 
     routes = [Route("/webhooks/github", github, methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan if publish else None)
+
+
+def verify_only_receiver() -> Any:
+    """hand_written_receiver without the publish: verify, 202 (`uvicorn --factory
+    bench.apps:verify_only_receiver`, GITHUB_WEBHOOK_SECRET from the environment)."""
+    return hand_written_receiver(publish=False)

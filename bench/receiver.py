@@ -3,15 +3,17 @@
     .venv/bin/python -m bench.receiver [--requests 3000] [--connections 32] [--paced-s 10]
                                        [--time-limit-s 60] [--commit-n 1000] [--json PATH]
 
-Two servers on 127.0.0.1, both Starlette on uvicorn in one process with the same event loop and
-HTTP implementation, serve POST /webhooks/github with the same GitHub X-Hub-Signature-256 check:
-`dedupe-worker receive bench.receiver:app` (verify, claim the delivery's key in a fresh
-database, publish with confirms, store the reply; a replay gets the stored reply) and
+Three servers on 127.0.0.1, all Starlette on uvicorn in one process each with the same event loop
+and HTTP implementation, serve POST /webhooks/github with the same GitHub X-Hub-Signature-256
+check: `dedupe-worker receive bench.receiver:app` (verify, claim the delivery's key in a fresh
+database, publish with confirms, store the reply; a replay gets the stored reply),
 bench.apps.hand_written_receiver (verify, publish with confirms to a durable queue, 202; no
-database, no dedupe). One keep-alive HTTP/1.1 load generator (bench.load) drives both at the
-same connection count: the hand-written one with a new delivery id per request, the receiver
-with new keys and then the same keys again (replays; for the hand-written one a replay is one
-more request, so replays are read against its rate), then each open-loop at half of its own
+database, no dedupe) and bench.apps.verify_only_receiver (the same check and 202, nothing else:
+the least a receiver does on this stack, the rate no replay can pass). One keep-alive HTTP/1.1
+load generator (bench.load) drives each at the same connection count: the hand-written ones
+with a new delivery id per request, the receiver with new keys and then the same keys again
+(replays; for the hand-written one a replay is one more request, so replays are read against
+its rate), then the hand-written one and the receiver's new keys open-loop at half of their own
 maximum (requests due at a fixed rate, latency counted from when each was due). bench.commit
 measures the machine's durable commit first. Printed: requests/s, p50/p90/p99 and the server's
 CPU per request of every phase, and issue 28's ratios with verdicts: new keys >= 0.8x the
@@ -176,28 +178,40 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             load.serving(
                 load.uvicorn_command("bench.apps:hand_written_receiver"), plain_env
             ) as plain,
+            load.serving(
+                load.uvicorn_command("bench.apps:verify_only_receiver"),
+                {"GITHUB_WEBHOOK_SECRET": GITHUB_SECRET},
+            ) as floor,
         ):
-            await measure(figures, dedupe, plain, run, args)
+            await measure(figures, dedupe, plain, floor, run, args)
     finally:
         await cleanup(args.database, db_name, args.broker, prefix, plain_queue)
     return figures
 
 
 async def measure(
-    figures: dict[str, Any], dedupe: int, plain: int, run: str, args: argparse.Namespace
+    figures: dict[str, Any],
+    dedupe: int,
+    plain: int,
+    floor: int,
+    run: str,
+    args: argparse.Namespace,
 ) -> None:
     n, c = args.requests, args.connections
     print(
         f"POST /webhooks/github (HMAC verified) on 127.0.0.1, {c} keep-alive connections, "
-        f"{n} requests per phase; both servers uvicorn, one process, loop {load.event_loop()}, "
-        f"http {load.http_implementation()}: dedupe-worker receive on :{dedupe}, the "
-        f"hand-written receiver on :{plain}",
+        f"{n} requests per phase; every server uvicorn, one process each, loop "
+        f"{load.event_loop()}, http {load.http_implementation()}: dedupe-worker receive on "
+        f":{dedupe}, the "
+        f"hand-written receiver on :{plain}, the same verifying without publishing on :{floor}",
         flush=True,
     )
     warm = min(500, n)
     await drive(plain, [f"{run}-warm-plain-{i}" for i in range(warm)], args)
     await drive(dedupe, [f"{run}-warm-{i}" for i in range(warm)], args)
+    await drive(floor, [f"{run}-warm-floor-{i}" for i in range(warm)], args)
     figures["hand_written"] = await drive(plain, [f"{run}-plain-{i}" for i in range(n)], args)
+    figures["verify_only"] = await drive(floor, [f"{run}-floor-{i}" for i in range(n)], args)
     keys = [f"{run}-{i}" for i in range(n)]
     figures["new_keys"] = await drive(dedupe, keys, args)
     figures["replays"] = await drive(dedupe, keys, args)
@@ -224,6 +238,7 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
         "\n|---|---|---|---|---|---|---|---|"
     )
     print(line("hand-written (verify, publish with confirm)", plain))
+    print(line("verify only (verify, 202: no receiver does less)", figures["verify_only"]))
     print(line("receiver, new keys (verify, claim, publish, store)", new))
     print(line("receiver, replays (verify, stored reply)", replays))
     print(line(f"hand-written, paced at {plain_half['target_rate']:,.0f}/s", plain_half))
@@ -231,6 +246,7 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
     base = plain["rate"] or float("nan")  # nothing answered in time: no ratio, no verdict
     new_ratio = new["rate"] / base
     replay_ratio = replays["rate"] / base
+    floor_ratio = figures["verify_only"]["rate"] / base
     both_held = held(plain_half, plain_half["target_rate"]) and held(
         new_half, new_half["target_rate"]
     )
@@ -241,6 +257,7 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
     figures["ratios"] = {
         "new_keys_vs_hand_written": new_ratio,
         "replays_vs_hand_written": replay_ratio,
+        "verify_only_vs_hand_written": floor_ratio,
         "p99_added_at_half_load_ms": p99_added,
         "p99_bound_ms": bound,
         "paced_rates_held": both_held,
@@ -254,7 +271,8 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
     )
     print(
         f"  replays / hand-written:  {replay_ratio:.2f}x (target >= {REPLAYS_TARGET}x): "
-        f"{verdict(replay_ratio >= REPLAYS_TARGET, replay_ratio)}"
+        f"{verdict(replay_ratio >= REPLAYS_TARGET, replay_ratio)}; verify only, the most "
+        f"any replay can reach on this stack: {floor_ratio:.2f}x"
     )
     bound_text = "no commit p99" if bound is None else f"<= {bound:.2f} ms"
     print(
@@ -284,6 +302,7 @@ EPILOG = """\
 phases, in this order, each bounded by its count and --time-limit-s:
   commit        bench.commit: the machine's durable commit p50/p99 (--commit-n)
   hand-written  bench.apps.hand_written_receiver: verify, publish with confirm, 202
+  verify only   bench.apps.verify_only_receiver: the same verify, 202, no publish (the floor)
   new keys      dedupe-worker receive: verify, claim, publish with confirm, store the reply
   replays       the same deliveries again: verify, the stored reply
   paced         each server open-loop at half of its own maximum for --paced-s
