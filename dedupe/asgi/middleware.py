@@ -224,6 +224,7 @@ class IdempotencyMiddleware:
         self._claims: Claims | None = None
         self._leases: HttpLeases | None = None
         self._look_ups: one_tx.LookUps | None = None
+        self._read_first = one_tx.ReadFirst()
         self._stack: contextlib.AsyncExitStack | None = None
         self._activity: Activity | None = None
         self._opening = asyncio.Lock()
@@ -422,13 +423,15 @@ class IdempotencyMiddleware:
         if self._claims is None or self._leases is None:
             return await answer(send, db_down(), "unavailable")
         if self.one_transaction(str(scope["method"]), str(scope.get("path", ""))):
-            found = await self._look_up(request)
-            if found is not None and found.replay:
-                duplicate = Duplicate("completed", found.result)
-                return await answer_for(send, request, duplicate, self._activity)
-            if found is None or found.status is None:  # no row: ours to claim in one
+            found = await self._look_up(request) if self._read_first else None
+            if found is not None:
+                self._read_first.saw(found.status is not None)
+                if found.replay:
+                    duplicate = Duplicate("completed", found.result)
+                    return await answer_for(send, request, duplicate, self._activity)
+            if found is None or found.status is None:  # no row seen: ours to claim in one
                 ran = await self._in_one_transaction(
-                    scope, receive, send, store, request, body, tally
+                    scope, receive, send, store, request, body, tally, looked=found is not None
                 )
                 if ran is not None:
                     return ran
@@ -478,10 +481,13 @@ class IdempotencyMiddleware:
         request: ClaimRequest,
         body: bytes,
         tally: _Tally,
+        *,
+        looked: bool,
     ) -> tuple[str, str | None] | None:
         """Claim, run and store in one transaction (dedupe.asgi.one_transaction); a replay is
         answered from the claim's read; None when the key has another committed row: the
-        two-commit claim decides (nothing was written)."""
+        two-commit claim decides (nothing was written). `looked`: whether the shared look-up
+        read the key first (else the claim's read is counted for one_tx.ReadFirst)."""
         assert self._leases is not None
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
@@ -506,6 +512,8 @@ class IdempotencyMiddleware:
         except BaseException:
             await db.close()
             raise
+        if not looked:
+            self._read_first.saw(claimed.token is None)
         if claimed.token is None:
             await db.close()
             if claimed.replay:  # answered from the claim's own read

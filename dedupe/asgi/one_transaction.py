@@ -35,7 +35,7 @@ from typing import Any
 import asyncpg
 
 from dedupe.asgi.problems import Problem
-from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun
+from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun, Receive, Scope
 from dedupe.claims.batching import Batcher
 from dedupe.claims.completion import Completion
 from dedupe.claims.database import TransactionBounds
@@ -49,6 +49,12 @@ logger = logging.getLogger("dedupe.asgi")
 
 # The answer of a run cut off at its bound: retry soon; the retry runs under a lease.
 TOO_LONG_RETRY_AFTER_S = 1
+# Past this share of recent keyed requests that found their key stored, the one-transaction
+# path reads the key's row in a shared statement before it takes a connection (ReadFirst): a
+# replay's claim in a transaction costs about three times the read, which a new key pays
+# for nothing.
+READ_FIRST_SHARE = 0.25
+READ_FIRST_WINDOW = 16
 
 Predicate = Callable[[str, str], bool]
 
@@ -192,6 +198,28 @@ class LookUps:
         return [Claimed(None, r["status"], r["result"], r["same_payload"]) for r in rows]
 
 
+class ReadFirst:
+    """Whether a one-transaction request reads its key's committed row first (LookUps) or goes
+    straight to its claim, whose own read answers a replay as well (at the price of a pooled
+    connection and a transaction opened and rolled back). The read pays off when many keys are
+    found stored (a wave of retries), and is wasted on new keys: it is done while more than
+    READ_FIRST_SHARE of the recent keyed requests found a committed row (a moving average over
+    about READ_FIRST_WINDOW requests; it starts at 1: a process just started may be serving
+    the retries of one that died). Only the cost moves: both paths answer alike."""
+
+    __slots__ = ("share",)
+
+    def __init__(self) -> None:
+        self.share = 1.0
+
+    def __bool__(self) -> bool:
+        return self.share > READ_FIRST_SHARE
+
+    def saw(self, stored: bool) -> None:
+        """A keyed request found its key with a committed row (stored) or without one."""
+        self.share += ((1.0 if stored else 0.0) - self.share) / READ_FIRST_WINDOW
+
+
 class NeedsTwoCommits(DedupeError):
     """request.state.idempotency.step in a one-transaction request: a step's record commits on
     its own before the external call it guards can be trusted not to repeat, which a request
@@ -229,18 +257,36 @@ class OneTransactionRun(KeyedRun):
         # Not heartbeated: the row is not committed, a heartbeat would not find it.
         return Held(self.fence, self.bounds.run_s if self.bounds is not None else 0.0)
 
-    async def _wait(self, task: asyncio.Task[None]) -> None:
-        """The bound holds while the response is being buffered: past it, the endpoint is
-        cancelled (its transaction is rolled back by _cut_off). A response being committed,
-        or committed and streaming, is waited for."""
+    async def _endpoint(self, scope: Scope, receive: Receive) -> tuple[bool, BaseException | None]:
+        """The endpoint in the request's own task (no heartbeat nor step can cancel it: there
+        is no lease, steps are refused), bounded while its response is being buffered: past
+        the bound it is cancelled and its transaction rolled back (_cut_off). A response being
+        committed, or committed and streaming, is waited for."""
         assert self.bounds is not None
-        done, _ = await asyncio.wait({task}, timeout=self.bounds.run_s)
-        if done:
-            return
+        task = asyncio.current_task()
+        assert task is not None
+        timer = asyncio.get_running_loop().call_later(self.bounds.run_s, self._expire, task)
+        error: BaseException | None = None
+        try:
+            await self.app(scope, receive, self._send)
+        except asyncio.CancelledError:
+            # Ours (the bound) is answered here; anyone else's (a server shutting down, a
+            # client gone under a server that cancels) goes on.
+            if not self._cut or task.uncancel() > 0:
+                raise
+            return True, None
+        except Exception as exc:
+            error = exc
+        finally:
+            timer.cancel()
+        if self._cut:  # the endpoint swallowed our cancellation: it is cut off all the same
+            task.uncancel()
+        return False, error
+
+    def _expire(self, task: asyncio.Task[Any]) -> None:
         if self._mode == "buffering" and self._held is not None and not self._held.completing:
             self._cut = True
             task.cancel()
-        await asyncio.wait({task})
 
     async def _cut_off(self) -> bool:
         if not self._cut:
@@ -317,6 +363,7 @@ __all__ = [
     "LookUps",
     "NeedsTwoCommits",
     "OneTransactionRun",
+    "ReadFirst",
     "claim",
     "compile_one_transaction",
     "effects",

@@ -110,23 +110,14 @@ class KeyedRun:
             }
         self._scope = scope
         held = self._held = self._hold()
-
-        async def endpoint() -> None:
-            await self.app(scope, receive, self._send)
-
-        # Its own task, so a heartbeat that finds the key taken over can cancel the endpoint.
-        task = held.task = asyncio.create_task(endpoint(), name=f"dedupe-http {self.fence.key}")
         try:
             try:
-                await self._wait(task)
+                cancelled, error = await self._endpoint(scope, receive)
             except asyncio.CancelledError:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
                 await asyncio.shield(self._settle_error())
                 raise
             self.route = self.route or _route_path(scope)
-            if task.cancelled() and held.lost:
+            if cancelled and held.lost:
                 # The heartbeat found the key taken over: it is someone else's now.
                 await self.db.close()
                 self.outcome = "lease_lost"
@@ -135,7 +126,6 @@ class KeyedRun:
                 return
             if self._mode == "buffering" and await self._cut_off():
                 return
-            error = None if task.cancelled() else task.exception()
             if self._mode == "buffering":
                 # An exception, or an endpoint that never finished its response: the server
                 # answers (a 500); nothing is kept and the client's retry runs again.
@@ -158,9 +148,26 @@ class KeyedRun:
         """The key's lease, heartbeated while the endpoint runs."""
         return self.leases.hold(self.fence)
 
-    async def _wait(self, task: asyncio.Task[None]) -> None:
-        """Wait for the endpoint's task (a lost lease cancels it)."""
-        await asyncio.wait({task})
+    async def _endpoint(self, scope: Scope, receive: Receive) -> tuple[bool, BaseException | None]:
+        """Run the endpoint in a task of its own, so that a heartbeat that finds the key taken
+        over (or a step, `lose`) can cancel it: (whether it was cancelled, what it raised)."""
+        assert self._held is not None
+
+        async def endpoint() -> None:
+            await self.app(scope, receive, self._send)
+
+        task = asyncio.create_task(endpoint(), name=f"dedupe-http {self.fence.key}")
+        self._held.task = task
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise
+        if task.cancelled():
+            return True, None
+        return False, task.exception()
 
     async def _cut_off(self) -> bool:
         """The endpoint ended without an answer: whether this run cut it off and answered for it

@@ -21,6 +21,7 @@ import asyncpg
 import httpx
 import pytest
 
+from dedupe.asgi import one_transaction
 from dedupe.errors import ConfigurationError
 from tests.apps.http_api import create_test_api
 from tests.conftest import eventually
@@ -28,9 +29,16 @@ from tests.integration.http_server import ApiProcesses, serving
 from tests.integration.test_http_api import client_of, orders, post
 
 
-@pytest.fixture
-async def api(orders_db: str) -> AsyncIterator[httpx.AsyncClient]:
-    """The test API in one-transaction mode (lease 30 s: bound 30 s, lock_timeout 2 s)."""
+@pytest.fixture(params=["read first", "claim first"])
+async def api(
+    orders_db: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The test API in one-transaction mode (lease 30 s: bound 30 s, lock_timeout 2 s), on
+    each of the paths one_transaction.ReadFirst chooses between: the key's row read first in
+    the shared look-up, or the claim in the transaction straight away (its read answers)."""
+    monkeypatch.setattr(
+        one_transaction, "READ_FIRST_SHARE", -1.0 if request.param == "read first" else 2.0
+    )
     async with (
         serving(create_test_api(orders_db, one_transaction=True)) as base,
         client_of(base) as client,

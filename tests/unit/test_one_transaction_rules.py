@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dedupe import App, Context
+from dedupe.asgi import one_transaction
 from dedupe.errors import InvalidOption
 from dedupe.pipeline import one_transaction as onetx
 from dedupe.testing.deliveries import make_message
@@ -68,3 +69,25 @@ def test_invalid_option_is_a_value_error_naming_the_option() -> None:
 
         @app.handler("ch", one_transaction=True)
         async def no_ctx(payload: bytes) -> None: ...
+
+
+def test_read_first_stops_reading_on_new_keys_and_starts_again_on_a_wave_of_retries() -> None:
+    read_first = one_transaction.ReadFirst()
+    assert read_first  # a process just started reads first
+    new_keys = 0
+    while read_first:
+        read_first.saw(False)
+        new_keys += 1
+        assert new_keys < 100
+    assert 15 <= new_keys <= 30  # about a window and a half of new keys
+    for _ in range(200):
+        read_first.saw(False)
+    retries = 0
+    while not read_first:
+        read_first.saw(True)
+        retries += 1
+    assert retries <= 6  # a few stored keys in a row turn the read back on
+    for _ in range(20):
+        read_first.saw(True)
+    read_first.saw(False)
+    assert read_first  # one new key among retries does not turn it off
