@@ -512,8 +512,8 @@ class IdempotencyMiddleware:
         except BaseException:
             await db.close()
             raise
-        if not looked:
-            self._read_first.saw(claimed.token is None)
+        if not looked:  # counted as the look-up counts: a committed row seen
+            self._read_first.saw(claimed.status is not None)
         if claimed.token is None:
             await db.close()
             if claimed.replay:  # answered from the claim's own read

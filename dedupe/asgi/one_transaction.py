@@ -258,30 +258,39 @@ class OneTransactionRun(KeyedRun):
         return Held(self.fence, self.bounds.run_s if self.bounds is not None else 0.0)
 
     async def _endpoint(self, scope: Scope, receive: Receive) -> tuple[bool, BaseException | None]:
-        """The endpoint in the request's own task (no heartbeat nor step can cancel it: there
-        is no lease, steps are refused), bounded while its response is being buffered: past
-        the bound it is cancelled and its transaction rolled back (_cut_off). A response being
-        committed, or committed and streaming, is waited for."""
+        """The endpoint in the request's own task (no heartbeat nor step cancels it: there is
+        no lease, steps are refused), bounded while its response is being buffered: past the
+        bound it is cancelled and its transaction rolled back (_cut_off). A response being
+        committed, or committed and streaming, is waited for. Whatever it raises but a
+        cancellation not ours (or KeyboardInterrupt, SystemExit) is returned, for the run to
+        settle before it is raised."""
         assert self.bounds is not None
         task = asyncio.current_task()
         assert task is not None
+        # The cancellations asked of this task before ours (as asyncio.timeout counts them): an
+        # outer one is told from ours by the count left once ours is taken back.
+        before = task.cancelling()
         timer = asyncio.get_running_loop().call_later(self.bounds.run_s, self._expire, task)
-        error: BaseException | None = None
+        only_ours = False
         try:
-            await self.app(scope, receive, self._send)
+            try:
+                await self.app(scope, receive, self._send)
+            finally:
+                timer.cancel()
+                if self._cut:  # ours is taken back once, however the endpoint ended
+                    only_ours = task.uncancel() <= before
         except asyncio.CancelledError:
-            # Ours (the bound) is answered here; anyone else's (a server shutting down, a
-            # client gone under a server that cancels) goes on.
-            if not self._cut or task.uncancel() > 0:
-                raise
-            return True, None
-        except Exception as exc:
-            error = exc
-        finally:
-            timer.cancel()
-        if self._cut:  # the endpoint swallowed our cancellation: it is cut off all the same
-            task.uncancel()
-        return False, error
+            # Ours (the bound) is answered here; anyone else's (a server shutting down) goes
+            # on. An endpoint that swallows a cancellation swallows both: it is its own to
+            # re-raise, as in any ASGI app.
+            if self._cut and only_ours:
+                return True, None
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            return False, exc
+        return False, None
 
     def _expire(self, task: asyncio.Task[Any]) -> None:
         if self._mode == "buffering" and self._held is not None and not self._held.completing:
