@@ -424,14 +424,14 @@ class IdempotencyMiddleware:
             return await answer(send, db_down(), "unavailable")
         if self.one_transaction(str(scope["method"]), str(scope.get("path", ""))):
             found = await self._look_up(request) if self._read_first else None
-            if found is not None:
-                self._read_first.saw(found.status is not None)
+            if found is not None and found.status is not None:  # the request ends here
+                self._read_first.saw(True)
                 if found.replay:
                     duplicate = Duplicate("completed", found.result)
                     return await answer_for(send, request, duplicate, self._activity)
             if found is None or found.status is None:  # no row seen: ours to claim in one
                 ran = await self._in_one_transaction(
-                    scope, receive, send, store, request, body, tally, looked=found is not None
+                    scope, receive, send, store, request, body, tally
                 )
                 if ran is not None:
                     return ran
@@ -481,13 +481,10 @@ class IdempotencyMiddleware:
         request: ClaimRequest,
         body: bytes,
         tally: _Tally,
-        *,
-        looked: bool,
     ) -> tuple[str, str | None] | None:
         """Claim, run and store in one transaction (dedupe.asgi.one_transaction); a replay is
         answered from the claim's read; None when the key has another committed row: the
-        two-commit claim decides (nothing was written). `looked`: whether the shared look-up
-        read the key first (else the claim's read is counted for one_tx.ReadFirst)."""
+        two-commit claim decides (nothing was written)."""
         assert self._leases is not None
         try:
             async with asyncio.timeout(STORE_TIMEOUT_S):
@@ -512,8 +509,9 @@ class IdempotencyMiddleware:
         except BaseException:
             await db.close()
             raise
-        if not looked:  # counted as the look-up counts: a committed row seen
-            self._read_first.saw(claimed.status is not None)
+        # Every request that reaches the claim is counted by its read (one_tx.ReadFirst); one
+        # that a look-up found a row for ended before it and was counted there.
+        self._read_first.saw(claimed.status is not None)
         if claimed.token is None:
             await db.close()
             if claimed.replay:  # answered from the claim's own read
