@@ -23,8 +23,10 @@ class Boom(BaseException):
     """Neither an Exception nor a cancellation."""
 
 
-def run_of(app: Any, *, run_s: float = 0.05) -> OneTransactionRun:
-    run = OneTransactionRun(
+def run_of(
+    app: Any, *, run_s: float = 0.05, kind: type[OneTransactionRun] = OneTransactionRun
+) -> OneTransactionRun:
+    run = kind(
         app=app,
         store=None,  # type: ignore[arg-type]
         leases=None,  # type: ignore[arg-type]
@@ -102,19 +104,20 @@ async def test_a_base_exception_after_the_cut_is_returned_for_the_run_to_settle(
     assert cancelling == 0
 
 
+class CancelledAtTheBound(OneTransactionRun):
+    """The server cancels the request in the same turn of the loop as the bound cuts it off."""
+
+    def _expire(self, task: asyncio.Task[Any]) -> None:
+        super()._expire(task)
+        task.cancel()
+
+
 async def test_a_cancellation_not_ours_goes_on_even_when_the_bound_also_fired() -> None:
-    run = run_of(sleeps, run_s=0.05)
-
-    async def body() -> Any:
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.05, task.cancel)  # the server's, at the bound's moment
-        return await run._endpoint({}, None)  # type: ignore[arg-type]
-
-    inner = asyncio.create_task(body())
-    with pytest.raises(asyncio.CancelledError):
-        await inner
+    run = run_of(sleeps, kind=CancelledAtTheBound)
+    result, cancelling = await in_task(run)
+    assert run._cut
+    assert isinstance(result, asyncio.CancelledError)  # the server's goes on
+    assert cancelling == 1  # ours taken back, the server's left
 
 
 async def test_no_cut_once_the_answer_is_being_committed() -> None:
