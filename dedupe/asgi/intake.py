@@ -9,17 +9,15 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from dedupe.asgi.keys import (
+    PrincipalSource,
     RequestLine,
-    principal_of,
     request_hashes,
-    request_message,
     scope_for,
 )
 from dedupe.asgi.problems import Problem
 from dedupe.asgi.replies import invalid_request, no_principal, too_large
 from dedupe.asgi.run import Receive, Scope
 from dedupe.claims.fingerprints import Fingerprint
-from dedupe.claims.keys import KeyFunc
 from dedupe.claims.records import ClaimRequest
 from dedupe.errors import InvalidPayload
 
@@ -80,7 +78,7 @@ async def read_keyed(
     key: str,
     body: bytes | None,
     app_name: str,
-    scope_func: KeyFunc | None,
+    principal_source: PrincipalSource | None,
     secret: bytes | None,
     scheme: Fingerprint,
     max_body_bytes: int,
@@ -95,8 +93,8 @@ async def read_keyed(
         body = read
     line = request_line(scope)
     principal = None
-    if scope_func is not None:
-        principal = principal_of(scope_func, request_message(line, headers, body))
+    if principal_source is not None:
+        principal = principal_source.of(line, headers, body)
         if principal is None:
             return no_principal()
     try:

@@ -365,6 +365,46 @@ def request_message(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PrincipalSource:
+    """Whose request it is (the middleware's scope=): a compiled key spec or callable read
+    from the request's Message; for a spec of one header (`header:NAME`, the default), that
+    header read straight from the raw ASGI headers, as the Message's headers would give it,
+    without building the Message."""
+
+    func: KeyFunc
+    header: bytes | None = None  # the header's name, lower case
+
+    def of(
+        self, line: RequestLine, headers: Sequence[tuple[bytes, bytes]], body: bytes
+    ) -> str | None:
+        """The principal's text; None when the request names nobody; SourceFailed when a
+        function raised."""
+        if self.header is None:
+            return principal_of(self.func, request_message(line, headers, body))
+        # As dedupe.message.Headers reads them: one value per spelling of the name (the last
+        # sent under it), and of those the last spelling first seen.
+        spellings: dict[bytes, bytes] = {}
+        for name, value in headers:
+            if name.lower() == self.header:
+                spellings[bytes(name)] = value
+        found = b""
+        for value in spellings.values():
+            found = value
+        return bytes(found).decode("latin-1") or None
+
+
+def compile_principal(spec: KeySpec) -> PrincipalSource:
+    """The middleware's scope= (a key spec or callable; ConfigurationError when malformed)."""
+    func = compile_key(spec)
+    header = None
+    if isinstance(spec, str) and "|" not in spec:
+        kind, sep, rest = spec.strip().partition(":")
+        if kind == "header" and sep and rest and rest.isascii():
+            header = rest.lower().encode("ascii")
+    return PrincipalSource(func, header)
+
+
 def principal_of(scope_func: KeyFunc, message: Message) -> str | None:
     """Whose request this is, by the middleware's scope=; None when it names nobody;
     SourceFailed when the function raised anything else."""
@@ -389,10 +429,12 @@ __all__ = [
     "FormPart",
     "KeyRefused",
     "KeySource",
+    "PrincipalSource",
     "RequestLine",
     "SourceFailed",
     "checked_key",
     "compile_key_source",
+    "compile_principal",
     "content_type",
     "fingerprint",
     "form_canonical",

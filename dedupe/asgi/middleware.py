@@ -35,6 +35,7 @@ from dedupe.asgi.keys import (
     RequestLine,
     SourceFailed,
     compile_key_source,
+    compile_principal,
 )
 from dedupe.asgi.problems import ASGIMessage, Problem, Send, in_flight
 from dedupe.asgi.replies import (
@@ -66,7 +67,7 @@ from dedupe.claims.database import (
     redact,
 )
 from dedupe.claims.fingerprints import FingerprintSpec, compile_fingerprint
-from dedupe.claims.keys import KeySpec, compile_key
+from dedupe.claims.keys import KeySpec
 from dedupe.claims.records import ClaimRequest, Fence
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.verdicts import (
@@ -211,7 +212,7 @@ class IdempotencyMiddleware:
         self.app = app
         self.dedupe_app = dedupe_app
         self.database_url = database_url
-        self.scope_func = None if scope is None else compile_key(scope)
+        self.principal = None if scope is None else compile_principal(scope)
         self.methods = frozenset(m.upper() for m in methods)
         self.required = required
         self.wait_s = float(wait_s)
@@ -253,7 +254,7 @@ class IdempotencyMiddleware:
                 claim_pool = await connect_pool(self.database_url, max_size=CLAIM_POOL_MAX_SIZE)
                 stack.push_async_callback(claim_pool.close)
                 await check_schema(pool, where=redact(self.database_url))
-                if self.secret is None and self.scope_func is not None:
+                if self.secret is None and self.principal is not None:
                     self.secret = await _database_secret(pool)
             except BaseException:
                 await stack.aclose()
@@ -321,8 +322,12 @@ class IdempotencyMiddleware:
         elif scope["type"] != "http" or scope["method"] not in self.methods:
             await self.app(scope, receive, send)
         elif not tracing.recording():  # no span to open: the caller's trace headers pass on
-            with tracing.callers_context(tracing.asgi_headers(scope)):  # and its publishes'
+            carried = tracing.callers_headers(scope)
+            if carried is None:  # no trace context sent: none to make current
                 await self._answer(scope, receive, send, _Tally())
+            else:
+                with tracing.callers_context(carried):  # current for its publishes
+                    await self._answer(scope, receive, send, _Tally())
         else:
             tally = _Tally(traced=True)
             name = f"dedupe.http {scope['method']}"
@@ -380,7 +385,7 @@ class IdempotencyMiddleware:
             if body is not None:
                 receive = _body_first(body, receive)
             return await run_unkeyed(self.app, scope, receive, send, db), None
-        if self.secret is None and self.scope_func is not None:
+        if self.secret is None and self.principal is not None:
             # No configured secret: the database's own is read when the pool opens.
             opened = await self._store_or_problem()
             if isinstance(opened, Problem):
@@ -392,7 +397,7 @@ class IdempotencyMiddleware:
                 key=key,
                 body=body,
                 app_name=self.dedupe_app.name,
-                scope_func=self.scope_func,
+                principal_source=self.principal,
                 secret=self.secret,
                 scheme=self.scheme,
                 max_body_bytes=self.max_body_bytes,

@@ -272,6 +272,35 @@ def callers_context(headers: Mapping[str, str]) -> Iterator[None]:
         otel_context.detach(token)
 
 
+def callers_headers(scope: Mapping[str, Any]) -> dict[str, str] | None:
+    """An ASGI scope's headers as text (asgi_headers) when one of them is a field of the
+    propagator in use (`traceparent`, `tracestate`, `baggage` by default): a trace context
+    for callers_context to make current; None when none is, or without OpenTelemetry (most
+    requests: nothing to read, no headers decoded)."""
+    if propagate is None:
+        return None
+    fields = _propagator_fields()
+    for name, _ in scope.get("headers", ()):
+        if bytes(name).lower() in fields:
+            return asgi_headers(scope)
+    return None
+
+
+_fields: tuple[object, frozenset[bytes]] = (None, frozenset())
+
+
+def _propagator_fields() -> frozenset[bytes]:
+    """The header names the global propagator reads, lower case (asked again when another
+    propagator is set)."""
+    global _fields
+    assert propagate is not None
+    propagator = propagate.get_global_textmap()
+    if _fields[0] is not propagator:
+        names = frozenset(str(f).lower().encode("latin-1", "replace") for f in propagator.fields)
+        _fields = (propagator, names)
+    return _fields[1]
+
+
 def annotate(span: Any, **attributes: Any) -> None:
     """Set attributes on `span` (from server_span; None: nothing), leaving out None values."""
     if span is not None and span.is_recording():
@@ -324,6 +353,7 @@ __all__ = [
     "asgi_headers",
     "available",
     "callers_context",
+    "callers_headers",
     "recording",
     "server_span",
     "trace_headers",
