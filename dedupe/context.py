@@ -113,6 +113,11 @@ class Database:
         if the block is rolled back (the writes a run keeps in memory until its completion)."""
         self._block_marks.append(mark)
 
+    def forget_blocks(self) -> None:
+        """Drop what on_block registered, once the run is over: a run's marks refer to its
+        effects, which refer to this transaction, a cycle only the cyclic GC would free."""
+        self._block_marks.clear()
+
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
         """`async with ctx.db.transaction():` a savepoint in the run's transaction. If the

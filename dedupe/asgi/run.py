@@ -136,10 +136,12 @@ class KeyedRun:
             self.leases.forget(held)
             await self.db.close()
             # The run is over: drop the references that close cycles (effects -> its cancel,
-            # run.lose -> the run; the scope -> request.state.idempotency -> effects), so the
-            # request's objects go by reference counting, not by the cyclic GC (~50 objects a
-            # request, ~60 us of collections; bench/http_core.py).
+            # run.lose -> the run; the scope -> request.state.idempotency -> effects; the
+            # transaction's block marks -> effects -> the transaction), so the request's
+            # objects go by reference counting, not by the cyclic GC (tests/integration/
+            # test_http_api_garbage.py; about 30 us of a new key's CPU, bench/http_core.py).
             self.effects = None
+            self.db.forget_blocks()
             self._scope = None
 
     # -- what a one-transaction run (dedupe.asgi.one_transaction) does otherwise ---------------
