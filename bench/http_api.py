@@ -70,6 +70,22 @@ def with_one_transaction() -> Any:
     )
 
 
+def protocol_floor() -> Any:
+    """The orders endpoint behind bench.protocol_floor: the one-transaction protocol's new-key
+    path written straight (bench.http_core's `floor` mode; new keys only)."""
+    from fastapi import FastAPI
+
+    from bench.protocol_floor import ProtocolFloor
+    from handlers.orders_api import create_order
+
+    api = FastAPI(lifespan=_orders_pool())
+    api.post("/orders", status_code=201)(create_order)
+    secret = (os.environ.get("DEDUPE_HTTP_SECRET") or "bench-only-principal-secret").encode()
+    return ProtocolFloor(
+        api, database_url=os.environ["DEDUPE_DATABASE_URL"], secret=secret, app_name="shop"
+    )
+
+
 def without() -> Any:
     """The same endpoint with no middleware: its writes in a transaction of their own."""
     from fastapi import FastAPI

@@ -1,14 +1,16 @@
 """CPU per request of IdempotencyMiddleware: the orders API driven in-process, no HTTP server.
 
     .venv/bin/python -m bench.http_core [--n 2000] [--concurrency 16] [--rounds 3]
-                                        [--modes bare,hand,two,one] [--profile out.txt]
+                                        [--modes bare,hand,floor,two,one] [--profile out.txt]
 
 handlers/orders_api.py's `POST /orders` (the API of bench/http_api.py) is called as an ASGI app
 by `--concurrency` tasks, on a real PostgreSQL (a fresh database), without uvicorn or sockets:
 the endpoint alone (`bare`: its writes in a transaction of their own), the same endpoint made
 idempotent by hand in the fewest statements one transaction can take (`hand`,
-bench.http_api.by_hand: a floor, not a safe baseline), then behind the middleware on two commits
-(`two`) and in one transaction (`one`), each keyed mode with `--n` new keys and then the same
+bench.http_api.by_hand: a floor, not a safe baseline), the claims protocol's one-transaction
+path written straight (`floor`, bench.protocol_floor: what a leaner middleware could cost; new
+keys only, its replays are 409s), then behind the middleware on two commits (`two`) and in one
+transaction (`one`), each keyed mode with `--n` new keys and then the same
 `--n` requests again (replays). Reported: this process's CPU time per request
 (`time.process_time`; the asyncpg client's work is in it, PostgreSQL's is not), which a busy
 machine disturbs far less than a rate. The middleware's own cost is a mode's figure minus the
@@ -41,7 +43,7 @@ if str(ROOT) not in sys.path:
 BODY = json.dumps({"sku": "bench", "quantity": 1}).encode()
 TOKEN = b"Bearer bench-token"
 SECRET = "bench-only-principal-secret"
-MODES = ("bare", "hand", "two", "one")
+MODES = ("bare", "hand", "floor", "two", "one")
 T = TypeVar("T")
 
 
@@ -54,6 +56,8 @@ def make_api(mode: str, url: str) -> Any:
         return http_api.without()
     if mode == "hand":
         return http_api.by_hand()
+    if mode == "floor":
+        return http_api.protocol_floor()
     if mode == "two":
         return http_api.with_middleware()
     return http_api.with_one_transaction()

@@ -1,0 +1,112 @@
+"""The claims protocol's one-transaction path for a new key, written straight (bench.http_core's
+`floor` mode): what a request of IdempotencyMiddleware(one_transaction=True) must do, with none
+of the middleware's generality. Not a product path and not safe to serve: no replay, conflict,
+5xx, stream, bound, outbox, metrics or tracing; a key found held or stored is answered 409. It
+measures how far a leaner implementation of the same protocol could go: the key and principal
+read, the fingerprint, the bounded BEGIN and the claim, the endpoint with its writes on the
+claim's connection, the response buffered and stored with the fenced completion, one COMMIT.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import asyncpg
+
+from dedupe.asgi.keys import RequestLine, checked_key, fingerprint, principal_hash
+from dedupe.asgi.one_transaction import ClaimTransaction
+from dedupe.asgi.replies import StoredResponse
+from dedupe.asgi.state import Idempotency
+from dedupe.claims.database import TransactionBounds, connect_pool
+from dedupe.sql import queries
+
+OWNER = "floor@bench"
+
+
+class ProtocolFloor:
+    """ASGI middleware: the protocol's new-key path only (see the module)."""
+
+    def __init__(self, app: Any, *, database_url: str, secret: bytes, app_name: str) -> None:
+        self.app, self.url, self.secret = app, database_url, secret
+        self.base = f"{app_name}.http"
+        self.bounds = TransactionBounds.of(30.0)
+        self.pool: asyncpg.Pool | None = None
+        self.claim_sql = queries()["claim_one_transaction"]
+        self.complete_sql = queries()["complete_one"]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            if self.pool is None:
+                self.pool = await connect_pool(self.url, max_size=20)
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        key = auth = None
+        for name, value in headers:
+            if name == b"idempotency-key":
+                key = checked_key(value, "Idempotency-Key")
+            elif name == b"authorization":
+                auth = value.decode("latin-1")
+        message = await receive()
+        body = message.get("body", b"")
+        line = RequestLine(scope["method"], scope["raw_path"], scope["query_string"])
+        claim_scope = f"{self.base}/{principal_hash(auth or '', self.secret)}"
+        assert self.pool is not None and key is not None
+        conn = await self.pool.acquire()
+        db = ClaimTransaction(self.pool, conn)
+        try:
+            await conn.execute(self.bounds.begin())
+            token = secrets.randbits(63)
+            row = await conn.fetchrow(
+                self.claim_sql,
+                claim_scope,
+                key,
+                fingerprint(line, body),
+                None,
+                None,
+                None,
+                OWNER,
+                float(self.bounds.run_s),
+                86400.0,
+                token,
+            )
+            if row["token"] is None:
+                await send({"type": "http.response.start", "status": 409, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            scope.setdefault("state", {})["idempotency"] = Idempotency(
+                db=db, key=key, scope=claim_scope
+            )
+            start: dict[str, Any] = {}
+            chunks: list[bytes] = []
+
+            async def buffered(out: dict[str, Any]) -> None:
+                if out["type"] == "http.response.start":
+                    start.update(out)
+                else:
+                    chunks.append(out.get("body", b""))
+
+            sent = False
+
+            async def first_receive() -> Any:
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return message
+                return await receive()
+
+            await self.app(scope, first_receive, buffered)
+            response = b"".join(chunks)
+            stored = StoredResponse.of(
+                start["status"], list(start["headers"]), response, route=None
+            )
+            done = await conn.fetchrow(
+                self.complete_sql, claim_scope, key, row["token"], stored.to_result(), 86400.0
+            )
+            assert done is not None
+            await db.commit()
+        finally:
+            await db.close()
+        await send(start)
+        await send({"type": "http.response.body", "body": response})
