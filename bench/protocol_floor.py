@@ -1,10 +1,12 @@
 """The claims protocol's one-transaction path for a new key, written straight (bench.http_core's
 `floor` mode): what a request of IdempotencyMiddleware(one_transaction=True) must do, with none
 of the middleware's generality. Not a product path and not safe to serve: no replay, conflict,
-5xx, stream, bound, outbox, metrics or tracing; a key found held or stored is answered 409. It
-measures how far a leaner implementation of the same protocol could go: the key and principal
-read, the fingerprint, the bounded BEGIN and the claim, the endpoint with its writes on the
-claim's connection, the response buffered and stored with the fenced completion, one COMMIT.
+5xx, stream, bound, outbox, metrics or tracing; a key found stored is answered 409 (one held by
+an open transaction: an error after lock_timeout), repeated or upper-case key headers are not
+refused. It measures how far a leaner implementation of the same protocol could go: the key
+and principal read, the fingerprint, the bounded BEGIN and the claim, the endpoint with its
+writes on the claim's connection, the response buffered and stored with the fenced completion,
+one COMMIT.
 """
 
 from __future__ import annotations

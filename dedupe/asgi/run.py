@@ -133,16 +133,19 @@ class KeyedRun:
             if error is not None:
                 raise error
         finally:
-            self.leases.forget(held)
-            await self.db.close()
-            # The run is over: drop the references that close cycles (effects -> its cancel,
-            # run.lose -> the run; the scope -> request.state.idempotency -> effects; the
-            # transaction's block marks -> effects -> the transaction), so the request's
-            # objects go by reference counting, not by the cyclic GC (tests/integration/
-            # test_http_api_garbage.py; about 30 us of a new key's CPU, bench/http_core.py).
-            self.effects = None
-            self.db.forget_blocks()
-            self._scope = None
+            try:
+                self.leases.forget(held)
+                await self.db.close()
+            finally:
+                # The run is over: drop the references that close cycles (effects -> its
+                # cancel, run.lose -> the run; the scope -> request.state.idempotency ->
+                # effects; the transaction's block marks -> effects -> the transaction), so
+                # the request's objects go by reference counting, not by the cyclic GC
+                # (tests/integration/test_http_api_garbage.py; about 30 us of a new key's CPU,
+                # bench/http_core.py).
+                self.effects = None
+                self.db.forget_blocks()
+                self._scope = None
 
     # -- what a one-transaction run (dedupe.asgi.one_transaction) does otherwise ---------------
 

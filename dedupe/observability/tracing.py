@@ -273,32 +273,55 @@ def callers_context(headers: Mapping[str, str]) -> Iterator[None]:
 
 
 def callers_headers(scope: Mapping[str, Any]) -> dict[str, str] | None:
-    """An ASGI scope's headers as text (asgi_headers) when one of them is a field of the
-    propagator in use (`traceparent`, `tracestate`, `baggage` by default): a trace context
-    for callers_context to make current; None when none is, or without OpenTelemetry (most
-    requests: nothing to read, no headers decoded)."""
+    """An ASGI scope's headers as text (asgi_headers), for callers_context to make the
+    caller's span current; None when the request carries none of the headers the propagator in
+    use reads (most requests: nothing to find, no headers decoded). Only the W3C propagators
+    (the default: `traceparent`, `tracestate`, `baggage`) are known to read no more than the
+    fields they name (B3's, say, read `b3` and `x-b3-*` whichever they name): with any other,
+    the headers are always passed on. None without OpenTelemetry."""
     if propagate is None:
         return None
     fields = _propagator_fields()
-    for name, _ in scope.get("headers", ()):
-        if bytes(name).lower() in fields:
-            return asgi_headers(scope)
-    return None
+    if fields is not None:
+        for name, _ in scope.get("headers", ()):
+            if bytes(name).lower() in fields:
+                break
+        else:
+            return None
+    return asgi_headers(scope)
 
 
-_fields: tuple[object, frozenset[bytes]] = (None, frozenset())
+_fields: tuple[object, frozenset[bytes] | None] = (None, None)
 
 
-def _propagator_fields() -> frozenset[bytes]:
-    """The header names the global propagator reads, lower case (asked again when another
-    propagator is set)."""
+def _propagator_fields() -> frozenset[bytes] | None:
+    """The header names the global propagator reads, lower case, when it is made of the W3C
+    propagators only; None for any other (which may read more than its fields). Asked again
+    when another propagator is set."""
     global _fields
     assert propagate is not None
     propagator = propagate.get_global_textmap()
     if _fields[0] is not propagator:
-        names = frozenset(str(f).lower().encode("latin-1", "replace") for f in propagator.fields)
-        _fields = (propagator, names)
+        _fields = (propagator, _w3c_fields(propagator))
     return _fields[1]
+
+
+def _w3c_fields(propagator: object) -> frozenset[bytes] | None:
+    from opentelemetry.baggage.propagation import W3CBaggagePropagator
+    from opentelemetry.propagators.composite import CompositePropagator
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    members: Any = [propagator]
+    if type(propagator) is CompositePropagator:
+        members = getattr(propagator, "_propagators", None)  # no public accessor
+        if not isinstance(members, list | tuple):
+            return None
+    names: set[bytes] = set()
+    for member in members:
+        if type(member) not in (TraceContextTextMapPropagator, W3CBaggagePropagator):
+            return None
+        names.update(str(field).lower().encode("latin-1") for field in member.fields)
+    return frozenset(names)
 
 
 def annotate(span: Any, **attributes: Any) -> None:

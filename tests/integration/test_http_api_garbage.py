@@ -5,10 +5,12 @@ CPU; bench/http_core.py). The app is called in-process as an ASGI app, on a real
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -55,9 +57,29 @@ async def post(app: Any, key: str | None, path: str = "/orders") -> int:
     return statuses[0]
 
 
-@pytest.fixture
+@contextlib.asynccontextmanager
+async def lifespan(app: Any) -> AsyncIterator[None]:
+    """The app's ASGI lifespan as a server runs it: the middleware's pools open at startup and
+    close at shutdown."""
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    task = asyncio.create_task(
+        app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, inbox.get, outbox.put)
+    )
+    await inbox.put({"type": "lifespan.startup"})
+    assert (await outbox.get())["type"] == "lifespan.startup.complete"
+    try:
+        yield
+    finally:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await outbox.get()
+        await task
+
+
+@contextlib.contextmanager
 def saved_garbage() -> Iterator[list[Any]]:
-    """What the cyclic GC finds unreachable in the block (kept, not freed): gc.garbage."""
+    """What the cyclic GC finds unreachable from here to the block's end (kept, not freed):
+    gc.garbage. Garbage made before is collected (and freed) first."""
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
@@ -71,23 +93,21 @@ def saved_garbage() -> Iterator[list[Any]]:
 
 def ours(garbage: list[Any]) -> list[str]:
     """The objects of dedupe's own classes among the garbage."""
-    return sorted(
-        type(o).__qualname__ for o in garbage if type(o).__module__.startswith("dedupe.")
-    )
+    return sorted(type(o).__qualname__ for o in garbage if type(o).__module__.startswith("dedupe."))
 
 
 @pytest.mark.parametrize("one_transaction", [True, False], ids=["one transaction", "two commits"])
 @pytest.mark.parametrize("path", ["/orders", "/answer/503"], ids=["stored", "given back"])
 async def test_a_keyed_request_leaves_no_cycle_of_ours(
-    orders_db: str, one_transaction: bool, path: str, saved_garbage: list[Any]
+    orders_db: str, one_transaction: bool, path: str
 ) -> None:
     app = create_test_api(orders_db, one_transaction=one_transaction)
-    first = await post(app, "warm-" + uuid.uuid4().hex)  # opens the pools
-    assert first == 201
-    gc.collect()
-    saved_garbage.clear()
-    key = uuid.uuid4().hex
-    statuses = [await post(app, key, path), await post(app, key, path)]
+    async with lifespan(app):
+        assert await post(app, "warm-" + uuid.uuid4().hex) == 201
+        key = uuid.uuid4().hex
+        with saved_garbage() as garbage:
+            statuses = [await post(app, key, path), await post(app, key, path)]
+            gc.collect()
+            left = ours(garbage)
     assert statuses == ([201, 201] if path == "/orders" else [503, 503])
-    gc.collect()
-    assert ours(saved_garbage) == []
+    assert left == []

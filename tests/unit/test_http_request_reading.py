@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 from opentelemetry import propagate
+from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.propagators.textmap import TextMapPropagator
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from dedupe.asgi.keys import (
     PrincipalSource,
@@ -86,7 +88,7 @@ def test_a_field_of_the_propagator_carries_the_headers_on(name: bytes) -> None:
 
 
 class _B3Like(TextMapPropagator):
-    """A propagator reading a header of its own (as B3 does)."""
+    """A propagator that reads more than the fields it names (as B3's do: `b3` and `x-b3-*`)."""
 
     def extract(self, carrier: Any, context: Any = None, getter: Any = None) -> Any:
         return context
@@ -99,12 +101,30 @@ class _B3Like(TextMapPropagator):
         return {"X-B3-TraceId"}
 
 
-def test_the_fields_are_those_of_the_propagator_set_now() -> None:
+@pytest.mark.parametrize(
+    "propagator",
+    [_B3Like(), CompositePropagator([TraceContextTextMapPropagator(), _B3Like()])],
+    ids=["alone", "beside the W3C one"],
+)
+def test_with_a_propagator_not_the_w3c_ones_the_headers_are_always_passed_on(
+    propagator: TextMapPropagator,
+) -> None:
     before = propagate.get_global_textmap()
-    propagate.set_global_textmap(_B3Like())
+    propagate.set_global_textmap(propagator)
     try:
-        assert tracing.callers_headers(_scope((b"x-b3-traceid", b"1"))) == {"x-b3-traceid": "1"}
-        assert tracing.callers_headers(_scope((b"traceparent", b"00-1-2-01"))) is None
+        for headers in ([(b"b3", b"1-2")], [(b"host", b"x")], [(b"traceparent", b"v")]):
+            expected = {k.decode(): v.decode() for k, v in headers}
+            assert tracing.callers_headers(_scope(*headers)) == expected
     finally:
         propagate.set_global_textmap(before)
-    assert tracing.callers_headers(_scope((b"traceparent", b"v"))) == {"traceparent": "v"}
+    assert tracing.callers_headers(_scope((b"host", b"x"))) is None
+
+
+def test_the_w3c_propagators_alone_read_their_fields() -> None:
+    before = propagate.get_global_textmap()
+    propagate.set_global_textmap(TraceContextTextMapPropagator())
+    try:
+        assert tracing.callers_headers(_scope((b"baggage", b"k=v"))) is None
+        assert tracing.callers_headers(_scope((b"traceparent", b"v"))) == {"traceparent": "v"}
+    finally:
+        propagate.set_global_textmap(before)
