@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.http_core [--n 2000] [--concurrency 16] [--rounds 3]
                                         [--modes bare,hand,floor,two,one] [--profile out.txt]
+                                        [--interleave]
 
 handlers/orders_api.py's `POST /orders` (the API of bench/http_api.py) is called as an ASGI app
 by `--concurrency` tasks, on a real PostgreSQL (a fresh database), without uvicorn or sockets:
@@ -14,7 +15,9 @@ transaction (`one`), each keyed mode with `--n` new keys and then the same
 `--n` requests again (replays). Reported: this process's CPU time per request
 (`time.process_time`; the asyncpg client's work is in it, PostgreSQL's is not), which a busy
 machine disturbs far less than a rate. The middleware's own cost is a mode's figure minus the
-endpoint's. `--profile` writes cProfile's top functions of the keyed phases. Not in the tests.
+endpoint's. `--interleave` starts every mode's app once and alternates their phases of new keys
+round by round in one process (new keys only; the least spread between modes). `--profile`
+writes cProfile's top functions of the keyed phases. Not in the tests.
 """
 
 from __future__ import annotations
@@ -211,6 +214,31 @@ async def run_mode(mode: str, url: str, args: argparse.Namespace, profiler: Any)
         return {"new": new, "replay": replay}
 
 
+async def interleaved(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every mode's app started once in this process, their phases of new keys alternating
+    (the order reversed every other round) after a round of warm-up: the process's drift and
+    the machine's hit every mode alike."""
+    apps = {mode: make_api(mode, url) for mode in args.modes}
+    run = uuid.uuid4().hex[:8]
+    rounds: list[dict[str, Any]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        lives = {mode: await stack.enter_async_context(Lifespan(a)) for mode, a in apps.items()}
+        for number in range(args.rounds + 1):
+            figures = {}
+            for mode in args.modes if number % 2 == 0 else list(reversed(args.modes)):
+                keys: list[bytes | None] = [
+                    None if mode == "bare" else f"{run}-{number}-{i}".encode()
+                    for i in range(args.n)
+                ]
+                figures[mode] = {
+                    "new": await phase(apps[mode], lives[mode].state, keys, args.concurrency)
+                }
+            if number > 0:
+                rounds.append(figures)
+                print(json.dumps({"round": number, **figures}), file=sys.stderr)
+    return rounds
+
+
 async def measure(args: argparse.Namespace, profiler: Any) -> dict[str, Any]:
     from bench.harness import fresh_database
     from handlers.orders_api import setup
@@ -218,7 +246,9 @@ async def measure(args: argparse.Namespace, profiler: Any) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     async with fresh_database() as url:
         await setup(url)
-        for number in range(args.rounds):
+        if args.interleave:
+            rounds = await interleaved(url, args)
+        for number in range(0 if args.interleave else args.rounds):
             figures = {}
             for mode in args.modes:
                 figures[mode] = await run_mode(mode, url, args, profiler)
@@ -262,6 +292,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", default="bare,two,one", help="of bare, hand, two, one")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="new keys only, every mode's phases alternating in one process (least spread)",
+    )
     parser.add_argument("--asyncio", dest="uvloop", action="store_false", help="no uvloop")
     parser.add_argument("--profile", help="write a profile of the keyed phases here")
     parser.add_argument("--profiler", choices=["pyinstrument", "cprofile"], default="pyinstrument")
@@ -270,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     args.modes = args.modes.split(",")
     if not set(args.modes) <= set(MODES):
         parser.error(f"--modes takes {', '.join(MODES)}")
+    if args.interleave and args.profile:
+        parser.error("--interleave does not profile")
     if args.uvloop:
         import uvloop
 
