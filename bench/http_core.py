@@ -227,12 +227,15 @@ async def interleaved(url: str, args: argparse.Namespace) -> list[dict[str, Any]
             figures = {}
             for mode in args.modes if number % 2 == 0 else list(reversed(args.modes)):
                 keys: list[bytes | None] = [
-                    None if mode == "bare" else f"{run}-{number}-{i}".encode()
+                    None if mode == "bare" else f"{run}-{mode}-{number}-{i}".encode()
                     for i in range(args.n)
                 ]
                 figures[mode] = {
                     "new": await phase(apps[mode], lives[mode].state, keys, args.concurrency)
                 }
+            for mode, figure in figures.items():  # every request a new key's answer
+                if set(figure["new"]["statuses"]) != {201}:
+                    raise RuntimeError(f"{mode}: answered {figure['new']['statuses']}")
             if number > 0:
                 rounds.append(figures)
                 print(json.dumps({"round": number, **figures}), file=sys.stderr)
