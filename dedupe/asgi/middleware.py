@@ -429,12 +429,14 @@ class IdempotencyMiddleware:
             return await answer(send, db_down(), "unavailable")
         if self.one_transaction(str(scope["method"]), str(scope.get("path", ""))):
             found = await self._look_up(request) if self._read_first else None
-            if found is not None and found.status is not None:  # the request ends here
+            if found is not None and found.status is not None:
+                # A committed row: counted here, as it never reaches the claim in one
+                # transaction; a replay is answered, any other goes to the two-commit claim.
                 self._read_first.saw(True)
                 if found.replay:
                     duplicate = Duplicate("completed", found.result)
                     return await answer_for(send, request, duplicate, self._activity)
-            if found is None or found.status is None:  # no row seen: ours to claim in one
+            else:  # no row seen: ours to claim in one
                 ran = await self._in_one_transaction(
                     scope, receive, send, store, request, body, tally
                 )
