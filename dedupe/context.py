@@ -152,8 +152,10 @@ class Database:
             self._tx = None
 
     async def close(self) -> None:
-        """Roll back what was not committed and return the connection; safe to call twice."""
+        """Roll back what was not committed and return the connection; safe to call twice.
+        The run's block marks go too (forget_blocks): no block can begin on a closed ctx.db."""
         self._closed = True
+        self._block_marks.clear()
         conn, tx, self._conn, self._tx = self._conn, self._tx, None, None
         if conn is None:
             return

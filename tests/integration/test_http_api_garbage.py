@@ -5,17 +5,16 @@ CPU; bench/http_core.py). The app is called in-process as an ASGI app, on a real
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from bench import http_core
 from tests.apps.http_api import create_test_api
+from tests.garbage import ours, saved_garbage
 
 BODY = json.dumps({"sku": "gc", "quantity": 1}).encode()
 
@@ -28,26 +27,6 @@ async def post(app: Any, state: dict[str, Any], key: str, path: str) -> int:
         (b"idempotency-key", key.encode()),
     ]
     return await http_core.post(app, state, path, headers, BODY)
-
-
-@contextlib.contextmanager
-def saved_garbage() -> Iterator[list[Any]]:
-    """What the cyclic GC finds unreachable from here to the block's end (kept, not freed):
-    gc.garbage. Garbage made before is collected (and freed) first."""
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        yield gc.garbage
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
-
-
-def ours(garbage: list[Any]) -> list[str]:
-    """The objects of dedupe's own classes among the garbage."""
-    return sorted(type(o).__qualname__ for o in garbage if type(o).__module__.startswith("dedupe."))
 
 
 @pytest.mark.parametrize("one_transaction", [True, False], ids=["one transaction", "two commits"])
