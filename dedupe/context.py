@@ -153,9 +153,10 @@ class Database:
 
     async def close(self) -> None:
         """Roll back what was not committed and return the connection; safe to call twice.
-        The run's block marks go too (forget_blocks): no block can begin on a closed ctx.db."""
+        The run's block marks go too (forget_blocks): a block begun after this takes back no
+        publishes (none can run a statement), one already open keeps what it marked."""
         self._closed = True
-        self._block_marks.clear()
+        self.forget_blocks()
         conn, tx, self._conn, self._tx = self._conn, self._tx, None, None
         if conn is None:
             return

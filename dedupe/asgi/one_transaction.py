@@ -101,7 +101,7 @@ class ClaimTransaction(Database):
     async def close(self) -> None:
         """Roll back what was not committed and return the connection; safe to call twice."""
         self._closed = True
-        self._block_marks.clear()  # (as Database.close: the run's marks close a cycle)
+        self.forget_blocks()  # (as Database.close: the run's marks close a cycle)
         conn, self.conn = self.conn, None
         if conn is None:
             return

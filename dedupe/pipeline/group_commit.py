@@ -106,7 +106,7 @@ class LaneDatabase(Database):
 
     async def close(self) -> None:  # the lane keeps its connection
         self._closed = True
-        self._block_marks.clear()  # (as Database.close: the run's marks close a cycle)
+        self.forget_blocks()  # (as Database.close: the run's marks close a cycle)
 
 
 @dataclass(eq=False, slots=True)

@@ -1,8 +1,9 @@
 """A message whose handler takes a ctx leaves no reference cycle of dedupe's objects behind, on
-every path a run with ctx.db takes (its own transaction, a group commit's lane, one transaction
-with the claim): its effects, transaction and context go by reference counting as the run
-ends, not by the cyclic GC (a cycle per message was about 10 us of a `ctx.db` message's CPU,
-`python -m bench.core --handler insert`). As the HTTP API's (test_http_api_garbage.py)."""
+the completing path of each mode a run with ctx.db takes (its own transaction, a group commit's
+lane, one transaction with the claim): its effects, transaction and context go by reference
+counting as the run ends, not by the cyclic GC (a cycle per message was about 10 us of a
+`ctx.db` message's CPU, `python -m bench.core --handler insert`). As the HTTP API's
+(test_http_api_garbage.py)."""
 
 from __future__ import annotations
 
