@@ -137,7 +137,9 @@ async def post(
 def post_scope(
     state: dict[str, Any], path: str, headers: list[tuple[bytes, bytes]]
 ) -> dict[str, Any]:
-    """The ASGI scope uvicorn passes for a POST to `path` with `headers` (the lifespan's state)."""
+    """The ASGI scope uvicorn passes for a POST to `path` (with its `?query`, if any) with
+    `headers` (the lifespan's state)."""
+    path, _, query = path.partition("?")
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.4"},
@@ -149,7 +151,7 @@ def post_scope(
         "root_path": "",
         "path": path,
         "raw_path": path.encode(),
-        "query_string": b"",
+        "query_string": query.encode(),
         "headers": headers,
         "state": dict(state),
     }

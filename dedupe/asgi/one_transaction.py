@@ -5,7 +5,8 @@ together, on one pooled connection, in one COMMIT.
     BEGIN; SET LOCAL lock_timeout, idle_in_transaction_session_timeout, statement_timeout
     INSERT the claim where the key has no row (attempts = 1), or read the committed row
     the endpoint, with request.state.idempotency.db on this transaction, under the bound
-    the fenced completion with the response and the outbox rows; COMMIT (with the pool's reset)
+    the fenced completion with the response and the outbox rows; COMMIT (with the pool's reset),
+        in the completion's round trip when nothing was published (complete_and_commit)
     then the response goes out
 
 Only a key without any committed row is claimed here. A key with one is answered from the
@@ -37,7 +38,7 @@ import asyncpg
 from dedupe.asgi.problems import Problem
 from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun, Receive, Scope
 from dedupe.claims.batching import Batcher
-from dedupe.claims.completion import Completion
+from dedupe.claims.completion import Completion, complete_and_commit
 from dedupe.claims.database import TransactionBounds
 from dedupe.claims.records import ClaimRequest
 from dedupe.context import BROKEN_CONNECTION, Database, connection_gone
@@ -97,6 +98,20 @@ class ClaimTransaction(Database):
         await conn.execute(f"COMMIT; {reset}" if reset else "COMMIT")
         self.committed = True
         conn.mark_clean()  # reset already, with the COMMIT
+
+    async def complete_and_commit(self, completion: Completion) -> bool:
+        """The run's completion (no outbox rows) and the COMMIT with the pool's reset, in one
+        round trip (dedupe.claims.completion.complete_and_commit); then the connection goes
+        back. False: the fence refused it, everything is rolled back."""
+        conn = await self.connection()
+        try:
+            done = await complete_and_commit(conn, completion, reset=conn.get_reset_query())
+            if done:
+                self.committed = True
+                conn.mark_clean()  # reset already, after the COMMIT
+            return done
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         """Roll back what was not committed and return the connection; safe to call twice."""
@@ -315,6 +330,12 @@ class OneTransactionRun(KeyedRun):
 
     def _in_transaction(self, completion: Completion) -> bool:
         return True  # the claim is in it
+
+    async def _complete_in_transaction(self, completion: Completion) -> bool:
+        # Without publishes, the completion and the COMMIT go in one round trip.
+        if completion.outbox or not isinstance(self.db, ClaimTransaction):
+            return await KeyedRun._complete_in_transaction(self, completion)
+        return await self.db.complete_and_commit(completion)
 
     async def _settle_error(self) -> None:
         """Roll everything back (the claim with it), then commit the attempt on its own, handed

@@ -184,6 +184,10 @@ class KeyedRun:
         """Whether the completion commits in the endpoint's transaction (else alone)."""
         return self.db.started or bool(completion.outbox)
 
+    async def _complete_in_transaction(self, completion: Completion) -> bool:
+        """Complete the claim in the endpoint's transaction and commit it (False: fenced)."""
+        return await complete_in_transaction(self.store, self.db, completion)
+
     @property
     def status(self) -> int:
         """The endpoint's status (0 before it answered)."""
@@ -317,7 +321,7 @@ class KeyedRun:
                 if self._in_transaction(completion):
                     # ctx.db ends here, committed or rolled back: a background task of the
                     # endpoint's after the answer gets no transaction.
-                    completed = await complete_in_transaction(self.store, self.db, completion)
+                    completed = await self._complete_in_transaction(completion)
                 else:
                     outcome = (self.fence, completion.result, self.retention_s)
                     completed = bool(await self.store.complete([outcome]))

@@ -14,13 +14,14 @@ Durable steps are not part of it: each is recorded in its own statement as its f
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import asyncpg
 
-from dedupe.claims.database import TRANSIENT_ERRORS
+from dedupe.claims.database import TRANSIENT_ERRORS, literal
 from dedupe.claims.records import Fence, KeyId
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import storable_error
@@ -126,11 +127,56 @@ async def complete_in_transaction(
         await tx.close()  # rolls back what did not commit; a later use of ctx.db raises
 
 
+@functools.cache
+def _completed_and_committed() -> str:
+    """complete_one_committed without its comment lines: the statement goes with its values
+    in its text, which is all PostgreSQL logs of a statement that fails (and shows in
+    pg_stat_activity): no more of it than needed."""
+    lines = queries()["complete_one_committed"].splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("--"))
+
+
+async def complete_and_commit(
+    conn: asyncpg.Connection, completion: Completion, *, reset: str
+) -> bool:
+    """Complete one run with no outbox rows and COMMIT `conn`'s open transaction, in one round
+    trip (queries.sql, complete_one_committed); False when the fence refused it: nothing is
+    committed and the transaction is left aborted, for the caller to roll back. `reset`: the
+    statements sent after the COMMIT (the pool's reset, or nothing). Raises as
+    complete_in_transaction does: a deferred constraint the run's writes broke as PostgreSQL
+    said it, any other failure as StoreError (whether it committed is unknown); ValueError for
+    a completion with outbox rows. A statement that fails is logged by PostgreSQL with its
+    text, values included (log_min_error_statement), as a parameter's value is not."""
+    if completion.outbox:
+        raise ValueError("complete_and_commit takes a completion without outbox rows")
+    fence = completion.fence
+    statement = _completed_and_committed().format(
+        scope=literal(fence.scope),
+        key=literal(fence.key),
+        token=int(fence.token),
+        result=literal(completion.result),
+        retention_s=literal(repr(float(completion.retention_s))),
+    )
+    try:
+        await conn.execute(f"{statement}; COMMIT; {reset}" if reset else f"{statement}; COMMIT")
+    except asyncpg.DivisionByZeroError as exc:
+        if conn.is_in_transaction():  # the SELECT's: no row completed, the COMMIT not reached
+            return False
+        # The COMMIT's (a deferred trigger of the run's writes): the run's own error.
+        raise StoreError(f"the commit failed: {storable_error(exc)}") from exc
+    except asyncpg.IntegrityConstraintViolationError:
+        raise
+    except Exception as exc:
+        raise StoreError(f"the completion or its commit failed: {storable_error(exc)}") from exc
+    return True
+
+
 __all__ = [
     "Completion",
     "HandlerTransaction",
     "OutboxRow",
     "add_to_outbox",
+    "complete_and_commit",
     "complete_in",
     "complete_in_transaction",
 ]

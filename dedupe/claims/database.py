@@ -71,6 +71,14 @@ def said(exc: BaseException) -> str:
     return storable_text(" ".join(str(exc).split()), 300)
 
 
+def literal(text: str) -> str:
+    """`text` as an SQL string literal, for the few statements sent as simple queries (which
+    take no parameters): an escape string (E'...'), whose backslashes and quotes are doubled,
+    read alike whatever standard_conforming_strings says. asyncpg's connections speak UTF-8,
+    and PostgreSQL refuses a NUL in any text, as it would as a parameter."""
+    return "E'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
 class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
     """A pooled connection that skips the pool's reset after the store's own statements.
 

@@ -184,6 +184,24 @@ UPDATE dedupe_claims AS c
    AND c.status IN ('in_progress', 'completed')
 RETURNING c.scope, c.key;
 
+-- name: complete_one_committed
+-- `complete_one` and the COMMIT in one round trip: a simple query of several statements (the
+-- HTTP middleware's one-transaction run with no publishes, dedupe.asgi.one_transaction). That
+-- protocol has no parameters: the values are literals, quoted by
+-- dedupe.claims.database.literal (escape strings, whatever standard_conforming_strings says)
+-- or numbers. The SELECT divides by the count of rows completed: a fence that refused raises
+-- division_by_zero, which ends the query before its COMMIT with the transaction aborted, for
+-- the caller to roll back. The caller appends the COMMIT and the pool's reset.
+WITH done AS (
+    UPDATE dedupe_claims AS c
+       SET status = 'completed', result = {result}::jsonb, lease_until = NULL, error = NULL,
+           updated_at = now(), expires_at = now() + make_interval(secs => {retention_s}::float8)
+     WHERE c.scope = {scope} AND c.key = {key} AND c.token = {token}
+       AND c.status IN ('in_progress', 'completed')
+    RETURNING 1
+)
+SELECT 1 / count(*)::int FROM done;
+
 -- name: complete_unlocked
 -- `complete` for a statement shared by callers that must not wait for each other (the
 -- receiver's replies): a row another transaction holds locked is skipped, not waited for, and

@@ -5,6 +5,7 @@ tests.apps.http_api:from_environment`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from typing import Any
 
@@ -103,6 +104,31 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
         idempotency = request.state.idempotency
         one = await idempotency.db.fetchval("SELECT 1")
         return {"key": idempotency.key, "attempt": idempotency.attempt, "db": one}
+
+    @api.post("/usurped", status_code=201)
+    async def usurped(request: Request) -> dict[str, Any]:
+        """Writes an order, then changes its own claim's token (as a newer claim would): its
+        fenced completion finds the key no longer its own."""
+        idempotency = request.state.idempotency
+        order_id = await _order(request, "usurped")
+        await idempotency.db.execute(
+            "UPDATE dedupe_claims SET token = token + 1000 WHERE scope = $1 AND key = $2",
+            idempotency.scope,
+            idempotency.key,
+        )
+        return {"order_id": order_id}
+
+    @api.post("/quoted", status_code=201)
+    async def quoted(request: Request) -> Response:
+        """Writes an order; answers text full of what SQL literals quote, in body and header."""
+        order_id = await _order(request, "quoted")
+        text = f"order {order_id}: it's \\ \\' '' $$ -- ; /* */ \\x00 é 東京 \U0001f600"
+        return Response(
+            json.dumps({"text": text}, ensure_ascii=False),
+            status_code=201,
+            media_type="application/json",
+            headers={"Location": f"/orders/{order_id}?note=it's\\'a''quote"},
+        )
 
     @api.post("/binary")
     async def binary(request: Request) -> Response:

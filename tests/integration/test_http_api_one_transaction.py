@@ -494,3 +494,34 @@ async def test_a_frozen_process_holds_the_key_until_its_session_is_ended_and_wri
     assert replay.content == answer.content and replay.headers["idempotent-replayed"] == "true"
     assert await db.fetchval("SELECT count(*) FROM orders") == 1
     assert json.loads(answer.content)["order_id"] == await db.fetchval("SELECT id FROM orders")
+
+
+# -- the completion and the COMMIT in one round trip ---------------------------------------
+
+
+async def test_a_response_full_of_quotes_is_stored_and_replayed_byte_for_byte(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """The completion's values go as SQL literals (complete_and_commit): quotes, backslashes,
+    dollar quotes, comments and non-ASCII text come back as they went."""
+    first = await post(api, "quoted-1", {"sku": "q"}, path="/quoted")
+    again = await post(api, "quoted-1", {"sku": "q"}, path="/quoted")
+    assert first.status_code == again.status_code == 201
+    assert again.content == first.content
+    assert "it's \\ \\' '' $$" in first.json()["text"]
+    assert again.headers["location"] == first.headers["location"]
+    assert first.headers["location"].endswith("?note=it's\\'a''quote")
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert await db.fetchval("SELECT count(*) FROM orders WHERE sku = 'quoted'") == 1
+
+
+async def test_a_run_whose_claim_changed_under_it_commits_nothing(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """The fence refuses the completion (the endpoint changed its claim's token): the 409 of a
+    key lost to a newer request, and neither the order nor the claim is committed."""
+    answer = await post(api, "usurped-1", {"sku": "u"}, path="/usurped")
+    assert answer.status_code == 409
+    assert "lost its key" in answer.text
+    assert await db.fetchval("SELECT count(*) FROM orders WHERE sku = 'usurped'") == 0
+    assert await claim_row(db, "usurped-1") is None
