@@ -6,27 +6,14 @@ CPU; bench/http_core.py). The app is called in-process as an ASGI app, on a real
 from __future__ import annotations
 
 import gc
-import json
 import uuid
-from typing import Any
 
 import pytest
 
 from bench import http_core
 from tests.apps.http_api import create_test_api
 from tests.garbage import ours, saved_garbage
-
-BODY = json.dumps({"sku": "gc", "quantity": 1}).encode()
-
-
-async def post(app: Any, state: dict[str, Any], key: str, path: str) -> int:
-    """One keyed POST as uvicorn passes it to the ASGI app (bench.http_core.post); its status."""
-    headers = [
-        (b"authorization", b"Bearer gc"),
-        (b"content-type", b"application/json"),
-        (b"idempotency-key", key.encode()),
-    ]
-    return await http_core.post(app, state, path, headers, BODY)
+from tests.in_process import post
 
 
 @pytest.mark.parametrize("one_transaction", [True, False], ids=["one transaction", "two commits"])

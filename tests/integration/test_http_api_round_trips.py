@@ -5,7 +5,6 @@ PostgreSQL (bench.http_core's driver, as uvicorn calls the app)."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -15,17 +14,7 @@ import pytest
 from bench import http_core
 from dedupe.asgi import one_transaction
 from tests.apps.http_api import create_test_api
-
-BODY = json.dumps({"sku": "rt", "quantity": 1}).encode()
-
-
-async def post(app: Any, state: dict[str, Any], key: str, path: str) -> int:
-    headers = [
-        (b"authorization", b"Bearer rt"),
-        (b"content-type", b"application/json"),
-        (b"idempotency-key", key.encode()),
-    ]
-    return await http_core.post(app, state, path, headers, BODY)
+from tests.in_process import post
 
 
 async def test_only_a_run_without_publishes_commits_in_the_completions_round_trip(
