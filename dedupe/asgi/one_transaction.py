@@ -333,8 +333,9 @@ class OneTransactionRun(KeyedRun):
 
     async def _complete_in_transaction(self, completion: Completion) -> bool:
         # Without publishes, the completion and the COMMIT go in one round trip.
-        if completion.outbox or not isinstance(self.db, ClaimTransaction):
+        if completion.outbox:
             return await KeyedRun._complete_in_transaction(self, completion)
+        assert isinstance(self.db, ClaimTransaction)  # the middleware's, for every such run
         return await self.db.complete_and_commit(completion)
 
     async def _settle_error(self) -> None:

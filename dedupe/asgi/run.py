@@ -139,13 +139,11 @@ class KeyedRun:
             finally:
                 # The run is over: drop the references that close cycles (effects -> its
                 # cancel, run.lose -> the run; the scope -> request.state.idempotency ->
-                # effects; the transaction's block marks -> effects -> the transaction, which
-                # its close drops too, unless something before it raised), so
-                # the request's objects go by reference counting, not by the cyclic GC
-                # (tests/integration/test_http_api_garbage.py; about 30 us of a new key's CPU,
-                # bench/http_core.py).
+                # effects), so the request's objects go by reference counting, not by the
+                # cyclic GC (tests/integration/test_http_api_garbage.py; about 30 us of a new
+                # key's CPU, bench/http_core.py). The transaction's block marks (-> effects ->
+                # the transaction) go with its close, which drops them first.
                 self.effects = None
-                self.db.forget_blocks()
                 self._scope = None
 
     # -- what a one-transaction run (dedupe.asgi.one_transaction) does otherwise ---------------
