@@ -4,9 +4,10 @@ of the middleware's generality. Not a product path and not safe to serve: no rep
 5xx, stream, bound, outbox, metrics or tracing; a key found stored is answered 409 (one held by
 an open transaction: an error after lock_timeout), repeated or upper-case key headers are not
 refused. It measures how far a leaner implementation of the same protocol could go: the key
-and principal read, the fingerprint, the bounded BEGIN and the claim, the endpoint with its
-writes on the claim's connection, the response buffered and stored with the fenced completion,
-one COMMIT.
+and principal read, the fingerprint, the bounded BEGIN and the claim in one round trip (the
+prepared statements of dedupe.asgi.one_transaction), the endpoint with its writes on the
+claim's connection, the response buffered and stored with the fenced completion and the
+COMMIT in one round trip.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from dedupe.asgi.keys import RequestLine, checked_key, fingerprint, principal_ha
 from dedupe.asgi.one_transaction import ClaimTransaction
 from dedupe.asgi.replies import StoredResponse
 from dedupe.asgi.state import Idempotency
-from dedupe.claims.database import TransactionBounds, connect_pool
-from dedupe.sql import queries
+from dedupe.claims.completion import SESSION_TOKEN, Completion
+from dedupe.claims.database import TransactionBounds, connect_pool, sql_value
+from dedupe.claims.records import Fence
 
 OWNER = "floor@bench"
 
@@ -34,8 +36,6 @@ class ProtocolFloor:
         self.base = f"{app_name}.http"
         self.bounds = TransactionBounds.of(30.0)
         self.pool: asyncpg.Pool | None = None
-        self.claim_sql = queries()["claim_one_transaction"]
-        self.complete_sql = queries()["complete_one"]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -58,10 +58,7 @@ class ProtocolFloor:
         conn = await self.pool.acquire()
         db = ClaimTransaction(self.pool, conn)
         try:
-            await conn.execute(self.bounds.begin())
-            token = secrets.randbits(63)
-            row = await conn.fetchrow(
-                self.claim_sql,
+            values = (
                 claim_scope,
                 key,
                 fingerprint(line, body),
@@ -71,9 +68,11 @@ class ProtocolFloor:
                 OWNER,
                 float(self.bounds.run_s),
                 86400.0,
-                token,
+                secrets.randbits(63),
             )
-            if row["token"] is None:
+            claim = f"EXECUTE dedupe_http_claim_v1({', '.join(map(sql_value, values))})"
+            status = await conn.execute(f"{conn.prepares()}{self.bounds.begin()}; {claim}")
+            if status != "INSERT 0 1":
                 await send({"type": "http.response.start", "status": 409, "headers": []})
                 await send({"type": "http.response.body", "body": b""})
                 return
@@ -103,11 +102,8 @@ class ProtocolFloor:
             stored = StoredResponse.of(
                 start["status"], list(start["headers"]), response, route=None
             )
-            done = await conn.fetchrow(
-                self.complete_sql, claim_scope, key, row["token"], stored.to_result(), 86400.0
-            )
-            assert done is not None
-            await db.commit()
+            fence = Fence(claim_scope, key, SESSION_TOKEN)
+            assert await db.complete_and_commit(Completion(fence, stored.to_result(), 86400.0))
         finally:
             await db.close()
         await send(start)

@@ -2,8 +2,9 @@
 endpoint's `request.state.idempotency.db` writes, its publishes and its stored response commit
 together, on one pooled connection, in one COMMIT.
 
-    BEGIN; SET LOCAL lock_timeout, idle_in_transaction_session_timeout, statement_timeout
-    INSERT the claim where the key has no row (attempts = 1), or read the committed row
+    BEGIN; SET LOCAL lock_timeout, idle_in_transaction_session_timeout, statement_timeout;
+        INSERT the claim where the key has no row (attempts = 1), in one round trip
+    (when the key has a row: read it)
     the endpoint, with request.state.idempotency.db on this transaction, under the bound
     the fenced completion with the response and the outbox rows; COMMIT (with the pool's reset),
         in the completion's round trip when nothing was published (complete_and_commit)
@@ -38,9 +39,9 @@ import asyncpg
 from dedupe.asgi.problems import Problem
 from dedupe.asgi.run import STORE_TIMEOUT_S, Held, KeyedRun, Receive, Scope
 from dedupe.claims.batching import Batcher
-from dedupe.claims.completion import Completion, complete_and_commit
-from dedupe.claims.database import TransactionBounds
-from dedupe.claims.records import ClaimRequest
+from dedupe.claims.completion import SESSION_TOKEN, Completion, complete_and_commit
+from dedupe.claims.database import TransactionBounds, sql_value
+from dedupe.claims.records import ClaimRequest, Fence
 from dedupe.context import BROKEN_CONNECTION, Database, connection_gone
 from dedupe.effects.run_effects import RunEffects
 from dedupe.errors import DedupeError
@@ -165,24 +166,36 @@ async def claim(
     owner: str,
     retention_s: float,
 ) -> Claimed:
-    """BEGIN with the bounds and claim the key inside the transaction (queries.sql,
-    claim_one_transaction), in two round trips. A key another transaction holds raises
-    asyncpg.LockNotAvailableError after bounds.lock_s; driver errors are raised as they come."""
-    assert db.conn is not None
-    await db.conn.execute(bounds.begin())
-    row = await db.conn.fetchrow(
-        queries()["claim_one_transaction"],
-        *request.row(owner),
-        float(bounds.run_s),
-        float(retention_s),
-        secrets.randbits(63),
+    """BEGIN with the bounds and claim the key inside the transaction, in one round trip: a
+    simple query that EXECUTEs dedupe_http_claim_v1 (queries.sql, prepare_http_one_transaction;
+    prepared in the same query on a session that lacks it). A key claimed has SESSION_TOKEN
+    for its token (the completion fences on the token the claim drew); a key with a row in the
+    way has it read in a second round trip, in the transaction. A key another transaction holds
+    raises asyncpg.LockNotAvailableError after bounds.lock_s; driver errors are raised as they
+    come."""
+    conn = db.conn
+    assert conn is not None
+    values = (*request.row(owner), float(bounds.run_s), float(retention_s), secrets.randbits(63))
+    claim_sql = f"EXECUTE dedupe_http_claim_v1({', '.join(map(sql_value, values))})"
+    statement = f"{bounds.begin()}; {claim_sql}"
+    try:
+        status = await conn.execute(f"{conn.prepares()}{statement}")
+    except (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError):
+        # The session's statements are not what the connection was marked with (an endpoint
+        # deallocated them on its request.state.idempotency.db): prepared again, once.
+        await conn.prepare_again()
+        status = await conn.execute(f"{conn.prepares()}{statement}")
+    if status == "INSERT 0 1":
+        return Claimed(SESSION_TOKEN)
+    [row] = await conn.fetch(
+        queries()["look_up"],
+        [request.scope],
+        [request.key],
+        [request.payload_hash],
+        [request.fingerprint],
+        [request.raw_hash],
     )
-    if row is None:  # pragma: no cover - the statement answers one row
-        return Claimed(None)
-    token = row["token"]
-    return Claimed(
-        None if token is None else int(token), row["status"], row["result"], row["same_payload"]
-    )
+    return Claimed(None, row["status"], row["result"], row["same_payload"])
 
 
 class LookUps:
@@ -334,6 +347,11 @@ class OneTransactionRun(KeyedRun):
     async def _complete_in_transaction(self, completion: Completion) -> bool:
         # Without publishes, the completion and the COMMIT go in one round trip.
         if completion.outbox:
+            fence = completion.fence
+            if fence.token == SESSION_TOKEN:  # the claim's token, drawn in this session
+                conn = await self.db.connection()
+                token = int(await conn.fetchval("SELECT currval('dedupe_claim_tokens')"))
+                completion = completion._replace(fence=Fence(fence.scope, fence.key, token))
             return await KeyedRun._complete_in_transaction(self, completion)
         assert isinstance(self.db, ClaimTransaction)  # the middleware's, for every such run
         return await self.db.complete_and_commit(completion)

@@ -14,14 +14,13 @@ Durable steps are not part of it: each is recorded in its own statement as its f
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import asyncpg
 
-from dedupe.claims.database import TRANSIENT_ERRORS, literal
+from dedupe.claims.database import TRANSIENT_ERRORS, sql_value
 from dedupe.claims.records import Fence, KeyId
 from dedupe.claims.store import ClaimStore
 from dedupe.claims.values import storable_error
@@ -127,21 +126,21 @@ async def complete_in_transaction(
         await tx.close()  # rolls back what did not commit; a later use of ctx.db raises
 
 
-@functools.cache
-def _completed_and_committed() -> str:
-    """complete_one_committed without its comment lines: the statement goes with its values
-    in its text, which is all PostgreSQL logs of a statement that fails (and shows in
-    pg_stat_activity): no more of it than needed."""
-    lines = queries()["complete_one_committed"].splitlines()
-    return "\n".join(line for line in lines if not line.lstrip().startswith("--"))
+# A fence's token that is not a number the claim read back, but "the token this session drew
+# last" (currval): the HTTP middleware's one-transaction claim draws its token in the
+# transaction's round trip that begins it, and does not read it (dedupe.asgi.one_transaction).
+# The sequence's tokens start at 1: no claim holds this one.
+SESSION_TOKEN = 0
 
 
 async def complete_and_commit(
     conn: asyncpg.Connection, completion: Completion, *, reset: str
 ) -> bool:
     """Complete one run with no outbox rows and COMMIT `conn`'s open transaction, in one round
-    trip (queries.sql, complete_one_committed); False when the fence refused it: nothing is
-    committed and the transaction is left aborted, for the caller to roll back. `reset`: the
+    trip (queries.sql, prepare_http_one_transaction: dedupe_http_complete_v1, prepared in the
+    same query on a session that lacks it; `conn` is a StoreConnection); False when the fence
+    refused it: nothing is committed and the transaction is left aborted, for the caller to
+    roll back. A fence of SESSION_TOKEN is the token this session drew last. `reset`: the
     statements sent after the COMMIT (the pool's reset, or nothing). Raises as
     complete_in_transaction does: a deferred constraint the run's writes broke as PostgreSQL
     said it, any other failure as StoreError (whether it committed is unknown); ValueError for
@@ -150,15 +149,12 @@ async def complete_and_commit(
     if completion.outbox:
         raise ValueError("complete_and_commit takes a completion without outbox rows")
     fence = completion.fence
-    statement = _completed_and_committed().format(
-        scope=literal(fence.scope),
-        key=literal(fence.key),
-        token=int(fence.token),
-        result=literal(completion.result),
-        retention_s=literal(repr(float(completion.retention_s))),
-    )
+    token = None if fence.token == SESSION_TOKEN else int(fence.token)
+    values = (fence.scope, fence.key, token, completion.result, float(completion.retention_s))
+    statement = f"EXECUTE dedupe_http_complete_v1({', '.join(map(sql_value, values))}); COMMIT"
     try:
-        await conn.execute(f"{statement}; COMMIT; {reset}" if reset else f"{statement}; COMMIT")
+        query = f"{conn.prepares()}{statement}"
+        await conn.execute(f"{query}; {reset}" if reset else query)
     except asyncpg.DivisionByZeroError as exc:
         if conn.is_in_transaction():  # the SELECT's: no row completed, the COMMIT not reached
             return False
@@ -166,12 +162,19 @@ async def complete_and_commit(
         raise StoreError(f"the commit failed: {storable_error(exc)}") from exc
     except asyncpg.IntegrityConstraintViolationError:
         raise
+    except asyncpg.InvalidSQLStatementNameError as exc:
+        # Deallocated on this session since it was marked prepared (an endpoint's DISCARD ALL
+        # or DEALLOCATE on request.state.idempotency.db): this run's transaction is lost; the
+        # next claim on the connection prepares again.
+        await conn.prepare_again()
+        raise StoreError(f"the completion's statement was deallocated: {exc}") from exc
     except Exception as exc:
         raise StoreError(f"the completion or its commit failed: {storable_error(exc)}") from exc
     return True
 
 
 __all__ = [
+    "SESSION_TOKEN",
     "Completion",
     "HandlerTransaction",
     "OutboxRow",

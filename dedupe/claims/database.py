@@ -3,6 +3,7 @@ errors that mean a value was refused, the numbered migrations and the schema gat
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -79,6 +80,22 @@ def literal(text: str) -> str:
     return "E'" + text.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
+def sql_value(value: str | bytes | float | None) -> str:
+    """`value` as a literal of a simple query: NULL, an integer, a float (as a string, which
+    its parameter's type reads: 'inf' too), a text (`literal`) or a bytea (its hex form)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, str):
+        return literal(value)
+    if isinstance(value, bytes):
+        return literal("\\x" + value.hex())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return literal(repr(value))
+    raise TypeError(f"no SQL literal for {type(value).__name__}")
+
+
 class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
     """A pooled connection that skips the pool's reset after the store's own statements.
 
@@ -89,9 +106,46 @@ class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
     """
 
     _dedupe_clean = False
+    # Whether this session has the statements of queries.sql's prepare_http_one_transaction.
+    _dedupe_prepared = False
 
     def mark_clean(self) -> None:
         self._dedupe_clean = True
+
+    def prepares(self) -> str:
+        """The PREPAREs of the HTTP one-transaction statements (queries.sql,
+        prepare_http_one_transaction), with their `;`, for the query that first EXECUTEs
+        one on this session; then '' (marked prepared as it is returned: they lead the query,
+        and a PREPARE stands whatever follows it, a rollback included)."""
+        if self._dedupe_prepared:
+            return ""
+        self._dedupe_prepared = True
+        return f"{_http_prepares()};\n"
+
+    async def prepare_again(self) -> None:
+        """The statements are not what this session was marked with (an endpoint's
+        DEALLOCATE or DISCARD on its connection): the transaction rolled back, ours that are
+        left deallocated, and the next `prepares()` sends them again."""
+        if self.is_in_transaction():
+            await self.execute("ROLLBACK")
+        names = await self.fetch(
+            "SELECT name FROM pg_prepared_statements WHERE name = any($1::text[])",
+            list(HTTP_STATEMENTS),
+        )
+        for row in names:
+            await self.execute(f"DEALLOCATE {row['name']}")
+        self._dedupe_prepared = False
+
+
+# The statements queries.sql's prepare_http_one_transaction prepares.
+HTTP_STATEMENTS = ("dedupe_http_claim_v1", "dedupe_http_complete_v1")
+
+
+@functools.cache
+def _http_prepares() -> str:
+    """prepare_http_one_transaction without its comment lines."""
+    lines = queries()["prepare_http_one_transaction"].splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("--"))
 
 
 # One transaction where one is enough (the workers' dedupe.pipeline.one_transaction and the

@@ -92,9 +92,9 @@ CROSS JOIN LATERAL (
 ) s;
 
 -- name: claim_one_transaction
--- One-transaction mode, of the workers (dedupe/pipeline/one_transaction.py) and of the HTTP
--- middleware (dedupe/asgi/one_transaction.py): a first delivery or a new keyed request claims
--- its key inside the transaction that then runs the handler or the endpoint and records the
+-- One-transaction mode of the workers (dedupe/pipeline/one_transaction.py; the HTTP
+-- middleware's is the same INSERT, prepared: prepare_http_one_transaction): a first delivery
+-- claims its key inside the transaction that then runs the handler and records the
 -- completion. Only a key without a row is claimed here: a row of any state (committed) is
 -- not, and the message or request goes to the two-commit claim (claim_batch), which decides
 -- as usual. A row another transaction inserted and has not committed makes this statement
@@ -106,9 +106,10 @@ CROSS JOIN LATERAL (
 -- key with a committed row (a duplicate) out before a token is drawn, so a duplicate burns no
 -- sequence value and writes nothing. The first column is the token (NULL: not claimed); for a
 -- key with a committed row the others give that row's state, read in the statement's
--- snapshot (status, stored result, whether the request is the same: claim_batch's comparison)
--- so that the middleware answers a replay from this one round trip; a row committed while
--- the statement waited is not seen (NULLs), and the two-commit claim decides.
+-- snapshot (status, stored result, whether the request is the same: claim_batch's comparison;
+-- a row committed while the statement waited is not seen: NULLs). The workers read the token
+-- only: those columns served the HTTP middleware's replays before its claim moved to
+-- prepare_http_one_transaction, and are left while the workers' statement is unchanged.
 -- $1..$7 ClaimRequest.row (scope, key, payload hash, fingerprint scheme, raw hash, kept
 -- payload, owner), $8 lease (s), $9 retention (s), $10 claim request id.
 WITH claimed AS (
@@ -184,19 +185,45 @@ UPDATE dedupe_claims AS c
    AND c.status IN ('in_progress', 'completed')
 RETURNING c.scope, c.key;
 
--- name: complete_one_committed
--- `complete_one` and the COMMIT in one round trip: a simple query of several statements (the
--- HTTP middleware's one-transaction run with no publishes, dedupe.asgi.one_transaction). That
--- protocol has no parameters: the values are literals, quoted by
--- dedupe.claims.database.literal (escape strings, whatever standard_conforming_strings says)
--- or numbers. The SELECT divides by the count of rows completed: a fence that refused raises
+-- name: prepare_http_one_transaction
+-- The HTTP middleware's one-transaction claim and completion (dedupe.asgi.one_transaction),
+-- prepared once per connection (SQL PREPARE: session state, kept across transactions, their
+-- rollbacks and the pool's reset; named so as not to meet asyncpg's own). Each then goes as
+-- an EXECUTE in a simple query with the statements around it, in one round trip: BEGIN with
+-- its bounds and the claim, then the completion, the COMMIT and the pool's reset. That
+-- protocol has no parameters and returns no rows: the values are literals, quoted by
+-- dedupe.claims.database.sql_value, and the outcome is the command's status or its error.
+--
+-- dedupe_http_claim_v1: claim_one_transaction's INSERT alone. Its status says whether the key
+-- is ours: INSERT 0 1, or INSERT 0 0 (a row of any state is in the way, committed, or committed
+-- while the statement waited on it; the caller reads it). Only a row inserted lifts the
+-- lock_timeout for the rest of the transaction. The token is drawn from the sequence in
+-- this session and not read back: the completion fences on currval.
+-- $1..$7 ClaimRequest.row (scope, key, payload hash, fingerprint scheme, raw hash, kept
+-- payload, owner), $8 lease (s), $9 retention (s), $10 claim request id.
+--
+-- dedupe_http_complete_v1: complete_one in a statement that fails when the fence refuses: the
+-- SELECT divides by the count of rows completed, so a refused completion raises
 -- division_by_zero, which ends the query before its COMMIT with the transaction aborted, for
--- the caller to roll back. The caller appends the COMMIT and the pool's reset.
+-- the caller to roll back. The fence is the token given ($3), or, when it is NULL, the one
+-- this session drew last (currval): the claim's, in this transaction (nothing else draws one
+-- in a one-transaction request: its steps are refused; should anything, the fence refuses).
+-- $1 scope, $2 key, $3 token (NULL: currval), $4 result, $5 retention (s).
+PREPARE dedupe_http_claim_v1 (text, text, bytea, text, bytea, bytea, text, float8, float8, bigint) AS
+INSERT INTO dedupe_claims AS c
+    (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
+     attempts, lease_until, expires_at, claim_request_id)
+SELECT $1, $2, $3, $4, $5, $6, 'in_progress', nextval('dedupe_claim_tokens'), $7, 1,
+       now() + make_interval(secs => $8), now() + make_interval(secs => $9), $10
+WHERE NOT EXISTS (SELECT 1 FROM dedupe_claims f WHERE f.scope = $1 AND f.key = $2)
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING set_config('lock_timeout', '0', true);
+PREPARE dedupe_http_complete_v1 (text, text, bigint, jsonb, float8) AS
 WITH done AS (
     UPDATE dedupe_claims AS c
-       SET status = 'completed', result = {result}::jsonb, lease_until = NULL, error = NULL,
-           updated_at = now(), expires_at = now() + make_interval(secs => {retention_s}::float8)
-     WHERE c.scope = {scope} AND c.key = {key} AND c.token = {token}
+       SET status = 'completed', result = $4, lease_until = NULL, error = NULL,
+           updated_at = now(), expires_at = now() + make_interval(secs => $5)
+     WHERE c.scope = $1 AND c.key = $2 AND c.token = coalesce($3, currval('dedupe_claim_tokens'))
        AND c.status IN ('in_progress', 'completed')
     RETURNING 1
 )

@@ -118,6 +118,19 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
         )
         return {"order_id": order_id}
 
+    @api.post("/deallocates", status_code=201)
+    async def deallocates(request: Request) -> dict[str, Any]:
+        """Writes an order, then runs `DEALLOCATE <X-Deallocate>` on its own connection when
+        the header is sent (ALL, or a statement's name it holds)."""
+        db = request.state.idempotency.db
+        order_id = await _order(request, "deallocates")
+        name = request.headers.get("x-deallocate")
+        if name == "ALL" or await db.fetchval(
+            "SELECT count(*) FROM pg_prepared_statements WHERE name = $1", name
+        ):
+            await db.execute(f"DEALLOCATE {name}")
+        return {"order_id": order_id}
+
     @api.post("/quoted", status_code=201)
     async def quoted(request: Request) -> Response:
         """Writes an order; answers text full of what SQL literals quote, in body and header."""

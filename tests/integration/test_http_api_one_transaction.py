@@ -525,3 +525,29 @@ async def test_a_run_whose_claim_changed_under_it_commits_nothing(
     assert "lost its key" in answer.text
     assert await db.fetchval("SELECT count(*) FROM orders WHERE sku = 'usurped'") == 0
     assert await claim_row(db, "usurped-1") is None
+
+
+async def test_a_run_that_deallocated_the_completions_statement_keeps_nothing_and_its_retry_runs(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """An endpoint that deallocates the prepared completion on its connection: its completion
+    fails, a 503 whose retry runs (on two commits, as attempt 2), nothing of the first run kept;
+    new keys after it are served (the next claim on that connection prepares the statements
+    again; after a DEALLOCATE of the completion's alone, the completion after it fails once
+    more, and the claim after that prepares them). (DEALLOCATE ALL is no endpoint's to run:
+    it drops asyncpg's own statements, whose next use on the connection fails.)"""
+    deallocated = "dedupe_http_complete_v1"
+    first = await post(
+        api, "dealloc-1", {"sku": "d"}, path="/deallocates", headers={"X-Deallocate": deallocated}
+    )
+    assert first.status_code == 503, first.text
+    assert await db.fetchval("SELECT count(*) FROM orders WHERE sku = 'deallocates'") == 0
+    retry = await post(api, "dealloc-1", {"sku": "d"}, path="/deallocates")
+    assert retry.status_code == 201, retry.text
+    assert (await claim_row(db, "dealloc-1") or {}).get("attempts") == 2
+    answers = []
+    for n in range(4):  # whichever pooled connection each takes
+        answers.append((await post(api, f"dealloc-next-{n}", {"sku": "n"})).status_code)
+    assert answers.count(201) >= 2, answers
+    assert set(answers) <= {201, 503}, answers
+    assert await db.fetchval("SELECT count(*) FROM orders WHERE sku = 'deallocates'") == 1
