@@ -10,17 +10,18 @@ together, on one pooled connection, in one COMMIT.
         in the completion's round trip when nothing was published (complete_and_commit)
     then the response goes out
 
-Only a key without any committed row is claimed here. A key with one is answered from the
-same statement when it is a replay (completed, the same request); any other (a conflict, a key
-in flight, one given back after a failed attempt) is left to the two-commit claim, which
-decides as it always does. A concurrent duplicate meets the uncommitted row and waits on it (its
-`lock_timeout`), then finds the key completed (a replay) or free (it runs); past the wait it
-gets the 409 of a key in flight. Every answer that gives the key back (a 5xx, an exception,
-a status not stored, the bound) rolls the whole transaction back, claim included, then commits
-the attempt on its own (`first_attempt_failed`: a row handed back, its lease over), so that the
-client's retry runs as attempt 2 on the two-commit path, under a lease, without the bound. That
-commit is bounded like the claim (`lock_timeout`): a duplicate that claimed the key meanwhile and
-still runs holds it, and its outcome decides; the attempt is then not counted.
+Only a key without any row is claimed here. A key with one has it read in the transaction, and
+is answered from the read when it is a replay (completed, the same request); any other (a
+conflict, a key in flight, one given back after a failed attempt) is left to the two-commit
+claim, which decides as it always does. A concurrent duplicate meets the uncommitted row and
+waits on it (its `lock_timeout`), then finds the key completed (a replay) or free (it runs);
+past the wait it gets the 409 of a key in flight. Every answer that gives the key back (a 5xx,
+an exception, a status not stored, the bound) rolls the whole transaction back, claim included,
+then commits the attempt on its own (`first_attempt_failed`: a row handed back, its lease
+over), so that the client's retry runs as attempt 2 on the two-commit path, under a lease,
+without the bound. That commit is bounded like the claim (`lock_timeout`): a duplicate that
+claimed the key meanwhile and still runs holds it, and its outcome decides; the attempt is then
+not counted.
 The argument why the guarantees hold is in docs/http-api.md, "One transaction per request".
 """
 
@@ -143,9 +144,9 @@ class ClaimTransaction(Database):
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
-    """What the claim in the transaction found: our token, or the committed row in the way
-    (its status, stored result and whether this request is the same), or nothing visible (a
-    row committed while the claim waited on it)."""
+    """What the claim in the transaction found: our token (SESSION_TOKEN for the claim of
+    `claim`), or the row in the way (its status, stored result and whether this request is the
+    same; all None for a row not committed, or gone since the claim)."""
 
     token: int | None
     status: str | None = None
@@ -177,14 +178,17 @@ async def claim(
     assert conn is not None
     values = (*request.row(owner), float(bounds.run_s), float(retention_s), secrets.randbits(63))
     claim_sql = f"EXECUTE dedupe_http_claim_v1({', '.join(map(sql_value, values))})"
-    statement = f"{bounds.begin()}; {claim_sql}"
+    begin = f"{bounds.begin()};\n"
     try:
-        status = await conn.execute(f"{conn.prepares()}{statement}")
+        # The PREPAREs inside the transaction, under its bounds (an INSERT's PREPARE takes the
+        # table's lock, as the claim does).
+        status = await conn.execute(f"{begin}{conn.prepares()}{claim_sql}")
     except (asyncpg.InvalidSQLStatementNameError, asyncpg.DuplicatePreparedStatementError):
         # The session's statements are not what the connection was marked with (an endpoint
-        # deallocated them on its request.state.idempotency.db): prepared again, once.
+        # deallocated them on its request.state.idempotency.db, or a PREPARE sent did not
+        # run): prepared again, once.
         await conn.prepare_again()
-        status = await conn.execute(f"{conn.prepares()}{statement}")
+        status = await conn.execute(f"{begin}{conn.prepares()}{claim_sql}")
     if status == "INSERT 0 1":
         return Claimed(SESSION_TOKEN)
     [row] = await conn.fetch(

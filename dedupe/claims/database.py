@@ -3,6 +3,7 @@ errors that mean a value was refused, the numbered migrations and the schema gat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -124,17 +125,18 @@ class StoreConnection(asyncpg.Connection):  # type: ignore[misc]
 
     async def prepare_again(self) -> None:
         """The statements are not what this session was marked with (an endpoint's
-        DEALLOCATE or DISCARD on its connection): the transaction rolled back, ours that are
-        left deallocated, and the next `prepares()` sends them again."""
-        if self.is_in_transaction():
-            await self.execute("ROLLBACK")
-        names = await self.fetch(
-            "SELECT name FROM pg_prepared_statements WHERE name = any($1::text[])",
-            list(HTTP_STATEMENTS),
-        )
-        for row in names:
-            await self.execute(f"DEALLOCATE {row['name']}")
-        self._dedupe_prepared = False
+        DEALLOCATE on its connection, a PREPARE sent that did not run): the transaction rolled
+        back, ours that are left deallocated (simple queries: nothing of asyncpg's statement
+        cache, which a DEALLOCATE ALL empties too, is used), and the next `prepares()` sends
+        them again."""
+        try:
+            if self.is_in_transaction():
+                await self.execute("ROLLBACK")
+            for name in HTTP_STATEMENTS:
+                with contextlib.suppress(asyncpg.InvalidSQLStatementNameError):
+                    await self.execute(f"DEALLOCATE {name}")
+        finally:
+            self._dedupe_prepared = False
 
 
 # The statements queries.sql's prepare_http_one_transaction prepares.

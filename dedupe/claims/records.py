@@ -108,7 +108,9 @@ class Claim:
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see above
 class Fence:
-    """A claim we hold: the token proves it at heartbeat and completion."""
+    """A claim we hold: the token proves it at heartbeat and completion. (The HTTP
+    middleware's one-transaction run holds dedupe.claims.completion.SESSION_TOKEN, 0, no
+    sequence's token: "the one this session drew", which only its completion reads.)"""
 
     scope: str
     key: str

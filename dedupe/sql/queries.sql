@@ -191,8 +191,10 @@ RETURNING c.scope, c.key;
 -- rollbacks and the pool's reset; named so as not to meet asyncpg's own). Each then goes as
 -- an EXECUTE in a simple query with the statements around it, in one round trip: BEGIN with
 -- its bounds and the claim, then the completion, the COMMIT and the pool's reset. That
--- protocol has no parameters and returns no rows: the values are literals, quoted by
--- dedupe.claims.database.sql_value, and the outcome is the command's status or its error.
+-- protocol has no parameters, and asyncpg keeps only the last command's status of it: the
+-- values are literals, quoted by dedupe.claims.database.sql_value, and the outcome is that
+-- status or an error. The PREPAREs go after the BEGIN and its bounds (an INSERT's PREPARE
+-- takes the table's lock, as the claim does).
 --
 -- dedupe_http_claim_v1: claim_one_transaction's INSERT alone. Its status says whether the key
 -- is ours: INSERT 0 1, or INSERT 0 0 (a row of any state is in the way, committed, or committed
@@ -393,8 +395,10 @@ $$;
 -- name: look_up
 -- The HTTP middleware, before a one-transaction claim (dedupe/asgi/one_transaction.py): the
 -- rows of many keys in one read, shared by concurrent requests (no lock, no write, no
--- transaction id). A key without a row goes on to claim_one_transaction; a replay (completed, the same request) is answered from here, as the
--- two-commit claim_batch answers it from its own read; any other row goes to claim_batch.
+-- transaction id). A key without a row goes on to the claim (prepare_http_one_transaction);
+-- a replay (completed, the same request) is answered from here, as the two-commit
+-- claim_batch answers it from its own read; any other row goes to claim_batch. The claim
+-- also reads with it, for one key, in its transaction, when its INSERT finds a row.
 -- $1 scopes, $2 keys, $3 payload hashes, $4 fingerprint schemes, $5 raw hashes (one per key).
 SELECT e.status, e.result::text AS result,
        CASE WHEN e.status IS NULL THEN NULL

@@ -6,6 +6,8 @@ something deallocated them. Against a real PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -132,13 +134,16 @@ async def test_statements_deallocated_on_the_session_are_prepared_again_by_the_c
     completion's alone: the claim does not see it, the completion fails, next test.)"""
     await claim(store, conn, "warm")
     await conn.execute("ROLLBACK")
-    await conn.execute(f"DEALLOCATE {dropped}")
-    claimed, counted = await claim(store, conn, "k")
-    assert claimed.token == SESSION_TOKEN
-    assert any("PREPARE" in sent for sent in counted.sent)
-    fence = Fence(SCOPE, "k", SESSION_TOKEN)
-    assert await complete_and_commit(conn, Completion(fence, "1", 3600), reset="")
-    assert await db.fetchval("SELECT status FROM dedupe_claims WHERE key = 'k'") == "completed"
+    for key in ("k1", "k2"):  # twice on the session: its recovery uses no cached statement
+        await conn.execute(f"DEALLOCATE {dropped}")
+        claimed, counted = await claim(store, conn, key)
+        assert claimed.token == SESSION_TOKEN
+        assert any("PREPARE" in sent for sent in counted.sent)
+        fence = Fence(SCOPE, key, SESSION_TOKEN)
+        assert await complete_and_commit(conn, Completion(fence, "1", 3600), reset="")
+        assert await db.fetchval("SELECT status FROM dedupe_claims WHERE key = $1", key) == (
+            "completed"
+        )
     names = await conn.fetch("SELECT name FROM pg_prepared_statements WHERE name LIKE 'dedupe%'")
     assert sorted(r["name"] for r in names) == sorted(HTTP_STATEMENTS)
 
@@ -159,6 +164,28 @@ async def test_a_completion_whose_statement_was_deallocated_fails_and_the_next_c
     claimed, _ = await claim(store, conn, "k")
     assert claimed.token == SESSION_TOKEN
     assert await complete_and_commit(conn, Completion(fence, "1", 3600), reset="")
+    assert await db.fetchval("SELECT status FROM dedupe_claims") == "completed"
+
+
+async def test_a_sessions_first_prepares_wait_no_longer_than_the_claims_lock_timeout(
+    store: ClaimStore, conn: Any, db: asyncpg.Connection
+) -> None:
+    """A lock on the claims table (a CREATE INDEX, an ALTER): the PREPAREs sent with a
+    session's first claim take it as the claim does, under the transaction's lock_timeout;
+    once it is gone, the next claim prepares them (they did not run)."""
+    await db.execute("BEGIN; LOCK TABLE dedupe_claims IN SHARE MODE")
+    started = time.monotonic()
+    async with asyncio.timeout(10):
+        with pytest.raises(asyncpg.LockNotAvailableError):
+            await claim(store, conn, "k")
+    assert time.monotonic() - started < BOUNDS.lock_s + 1.5
+    await conn.execute("ROLLBACK")
+    await db.execute("ROLLBACK")
+    claimed, _ = await claim(store, conn, "k")
+    assert claimed.token == SESSION_TOKEN
+    assert await complete_and_commit(
+        conn, Completion(Fence(SCOPE, "k", SESSION_TOKEN), "1", 3600), reset=""
+    )
     assert await db.fetchval("SELECT status FROM dedupe_claims") == "completed"
 
 
