@@ -245,7 +245,8 @@ def server(factory: str, db_url: str) -> contextlib.AbstractAsyncContextManager[
 def line(name: str, result: dict[str, Any]) -> str:
     return (
         f"| {name} | {result['requests']} | {result['rate']:,.0f} | {result['p50_ms']:.2f} | "
-        f"{result['p99_ms']:.2f} | {result['cpu_ms']:.2f} | {result['statuses']} |"
+        f"{result['p99_ms']:.2f} | {result['cpu_ms']:.2f} | {result['db_cpu_ms']:.2f} | "
+        f"{result['statuses']} |"
     )
 
 
@@ -342,11 +343,21 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         phase: statistics.median(f[phase]["cpu_ms"] for f in rounds)
         for phase in ["endpoint", *(f"{w}_{m}" for w in ("new_keys", "replays") for m in MODES)]
     }
+    db_cpu = {phase: statistics.median(f[phase]["db_cpu_ms"] for f in rounds) for phase in cpu}
     print(
         "  server CPU ms per request (medians): "
         + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items())
     )
-    return {"rounds": rounds, "medians": medians, "cpu_ms_medians": cpu}
+    print(
+        "  PostgreSQL CPU ms per request (medians): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in db_cpu.items())
+    )
+    return {
+        "rounds": rounds,
+        "medians": medians,
+        "cpu_ms_medians": cpu,
+        "db_cpu_ms_medians": db_cpu,
+    }
 
 
 def print_round(r: int, figures: dict[str, Any], c: int, n: int) -> None:
@@ -356,8 +367,9 @@ def print_round(r: int, figures: dict[str, Any], c: int, n: int) -> None:
         f"{c} keep-alive connections, {n} requests per phase\n"
     )
     print(
-        "| phase | requests | req/s | p50 ms | p99 ms | server CPU ms/req | statuses |\n"
-        "|---|---|---|---|---|---|---|"
+        "| phase | requests | req/s | p50 ms | p99 ms | server CPU ms/req "
+        "| PostgreSQL CPU ms/req | statuses |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     print(line("endpoint alone", figures["endpoint"]))
     for mode in MODES:

@@ -13,7 +13,8 @@ path written straight (`floor`, bench.protocol_floor: what a leaner middleware c
 keys only, its replays are 409s), then behind the middleware on two commits (`two`) and in one
 transaction (`one`), each keyed mode with `--n` new keys and then the same
 `--n` requests again (replays). Reported: this process's CPU time per request
-(`time.process_time`; the asyncpg client's work is in it, PostgreSQL's is not), which a busy
+(`time.process_time`; the asyncpg client's work is in it, PostgreSQL's is not; PostgreSQL's
+processes' CPU per request is reported beside it, `pg_us`), which a busy
 machine disturbs far less than a rate. The middleware's own cost is a mode's figure minus the
 endpoint's. `--interleave` starts every mode's app once and alternates their phases of new keys
 round by round in one process (new keys only; the least spread between modes). `--profile`
@@ -182,14 +183,20 @@ async def timed(
             status = await one(item)
             statuses[status] = statuses.get(status, 0) + 1
 
+    from bench.load import database_cpu_s
+
+    db_before = database_cpu_s()
     before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - wall
+    db_s = database_cpu_s() - db_before
     user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
     n = len(items)
     return {
         "cpu_us": round((user + system) / n * 1e6, 1),
         "sys_us": round(system / n * 1e6, 1),
+        # PostgreSQL's CPU per request (its processes on this machine, bench.load).
+        "pg_us": round(db_s / n * 1e6, 1),
         # Sleeps of the process per request (in epoll_wait, waiting for PostgreSQL).
         "wakeups": round((after.ru_nvcsw - before.ru_nvcsw) / n, 2),
         "rate": round(n / wall),
@@ -262,9 +269,10 @@ async def measure(args: argparse.Namespace, profiler: Any) -> dict[str, Any]:
     medians: dict[str, float] = {}
     for mode in args.modes:
         for kind in ("new", "replay"):
-            values = [r[mode][kind]["cpu_us"] for r in rounds if kind in r[mode]]
-            if values:
-                medians[f"{mode}_{kind}_cpu_us"] = statistics.median(values)
+            for figure in ("cpu_us", "pg_us"):
+                values = [r[mode][kind][figure] for r in rounds if kind in r[mode]]
+                if values:
+                    medians[f"{mode}_{kind}_{figure}"] = statistics.median(values)
     import dedupe
 
     return {"code": str(Path(dedupe.__file__).parent), "n": args.n, "medians": medians}

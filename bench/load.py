@@ -73,6 +73,25 @@ def server_cpu_s(port: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def database_cpu_s() -> float:
+    """User + system CPU seconds so far of this machine's PostgreSQL processes (Linux /proc;
+    every backend of the local cluster: the benches' database is on 127.0.0.1). A backend that
+    exits takes its seconds with it: read around a phase whose pools stay open."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name, _, rest = stat.partition("(")[2].rpartition(")")
+        if name.startswith("postgres"):
+            fields = rest.split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 async def phase(
     port: int,
     requests: Sequence[bytes],
@@ -109,10 +128,10 @@ async def phase(
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    cpu_before = server_cpu_s(port)
+    cpu_before, db_before = server_cpu_s(port), database_cpu_s()
     await asyncio.gather(*(client() for _ in range(connections)))
     elapsed = time.perf_counter() - begin
-    cpu_s = server_cpu_s(port) - cpu_before
+    cpu_s, db_s = server_cpu_s(port) - cpu_before, database_cpu_s() - db_before
     ms = sorted(x * 1000 for x in latencies)
     if len(ms) < 2:  # statistics.quantiles needs two; a phase cut short by its deadline
         ms = ms or [float("nan")]
@@ -131,6 +150,9 @@ async def phase(
         # The server process's CPU (user + system) per request: steadier than the rate on a
         # shared machine (the database's and the broker's work are not in it).
         "cpu_ms": cpu_s * 1000 / max(1, len(latencies)),
+        # PostgreSQL's CPU per request (all its processes: the work of the claims and the
+        # endpoint's statements, and anything else the cluster did meanwhile).
+        "db_cpu_ms": db_s * 1000 / max(1, len(latencies)),
     }
 
 
