@@ -66,7 +66,6 @@ class ProtocolFloor:
                 None,
                 None,
                 OWNER,
-                float(self.bounds.run_s),
                 86400.0,
                 secrets.randbits(63),
             )

@@ -176,7 +176,7 @@ async def claim(
     come."""
     conn = db.conn
     assert conn is not None
-    values = (*request.row(owner), float(bounds.run_s), float(retention_s), secrets.randbits(63))
+    values = (*request.row(owner), float(retention_s), secrets.randbits(63))
     claim_sql = f"EXECUTE dedupe_http_claim_v1({', '.join(map(sql_value, values))})"
     begin = f"{bounds.begin()};\n"
     try:

@@ -196,27 +196,33 @@ RETURNING c.scope, c.key;
 -- status or an error. The PREPAREs go after the BEGIN and its bounds (an INSERT's PREPARE
 -- takes the table's lock, as the claim does).
 --
--- dedupe_http_claim_v1: claim_one_transaction's INSERT alone. Its status says whether the key
--- is ours: INSERT 0 1, or INSERT 0 0 (a row of any state is in the way, committed, or committed
+-- dedupe_http_claim_v1: claim_one_transaction's INSERT, of the row as it will commit. Its
+-- status says whether the key is ours: INSERT 0 1, or INSERT 0 0 (a row of any state is in the way, committed, or committed
 -- while the statement waited on it; the caller reads it). Only a row inserted lifts the
 -- lock_timeout for the rest of the transaction. The token is drawn from the sequence in
--- this session and not read back: the completion fences on currval.
+-- this session and not read back: the completion fences on currval. The row goes in as it
+-- will commit: completed, no lease, expiring after the retention (no other transaction sees
+-- it before the COMMIT; a duplicate waits on it, as on any uncommitted row). The completion
+-- then writes the response into it without changing an indexed column's value (status,
+-- lease_until, and expires_at: now() is the transaction's start), so a HOT update: no index
+-- entry for it, and none in the index of keys in progress for the claim.
 -- $1..$7 ClaimRequest.row (scope, key, payload hash, fingerprint scheme, raw hash, kept
--- payload, owner), $8 lease (s), $9 retention (s), $10 claim request id.
+-- payload, owner), $8 retention (s), $9 claim request id.
 --
--- dedupe_http_complete_v1: complete_one in a statement that fails when the fence refuses: the
+-- dedupe_http_complete_v1: complete_one in a statement that fails when the fence refuses (a
+-- row claimed completed in place, above, or in progress, under a lease): the
 -- SELECT divides by the count of rows completed, so a refused completion raises
 -- division_by_zero, which ends the query before its COMMIT with the transaction aborted, for
 -- the caller to roll back. The fence is the token given ($3), or, when it is NULL, the one
 -- this session drew last (currval): the claim's, in this transaction (nothing else draws one
 -- in a one-transaction request: its steps are refused; should anything, the fence refuses).
 -- $1 scope, $2 key, $3 token (NULL: currval), $4 result, $5 retention (s).
-PREPARE dedupe_http_claim_v1 (text, text, bytea, text, bytea, bytea, text, float8, float8, bigint) AS
+PREPARE dedupe_http_claim_v1 (text, text, bytea, text, bytea, bytea, text, float8, bigint) AS
 INSERT INTO dedupe_claims AS c
     (scope, key, payload_hash, fingerprint, raw_hash, payload, status, token, owner,
      attempts, lease_until, expires_at, claim_request_id)
-SELECT $1, $2, $3, $4, $5, $6, 'in_progress', nextval('dedupe_claim_tokens'), $7, 1,
-       now() + make_interval(secs => $8), now() + make_interval(secs => $9), $10
+SELECT $1, $2, $3, $4, $5, $6, 'completed', nextval('dedupe_claim_tokens'), $7, 1,
+       NULL, now() + make_interval(secs => $8), $9
 WHERE NOT EXISTS (SELECT 1 FROM dedupe_claims f WHERE f.scope = $1 AND f.key = $2)
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING set_config('lock_timeout', '0', true);

@@ -89,6 +89,41 @@ async def test_a_new_key_is_claimed_in_one_round_trip_and_completed_in_another(
     await conn.execute("ROLLBACK")
 
 
+async def test_the_claim_row_goes_in_as_it_commits_and_its_completion_is_a_hot_update(
+    store: ClaimStore, conn: Any, db: asyncpg.Connection
+) -> None:
+    """The row is inserted completed, with no lease (no other transaction sees it before the
+    COMMIT); the completion writes the response in without changing an indexed column's
+    value, so PostgreSQL updates it in place (HOT), and the committed row is the completed key
+    a two-commit run leaves."""
+    await claim(store, conn, "k")
+    row = await conn.fetchrow(
+        "SELECT status, lease_until, result, attempts, expires_at - now() AS left"
+        " FROM dedupe_claims WHERE key = 'k'"
+    )
+    assert (row["status"], row["lease_until"], row["result"], row["attempts"]) == (
+        "completed",
+        None,
+        None,
+        1,
+    )
+    assert row["left"].total_seconds() == 3600
+    await conn.execute(
+        "EXECUTE dedupe_http_complete_v1($$t.http/p$$, 'k', NULL, '{\"n\": 1}', 3600.0)"
+    )
+    hot = await conn.fetchrow(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
+        " WHERE relname = 'dedupe_claims'"
+    )
+    assert (hot["n_tup_upd"], hot["n_tup_hot_upd"]) == (1, 1)
+    await conn.execute("COMMIT")
+    stored = await db.fetchrow(
+        "SELECT status, lease_until, result::text, expires_at > now() + interval '59 minutes'"
+        " AS kept FROM dedupe_claims"
+    )
+    assert tuple(stored) == ("completed", None, '{"n": 1}', True)
+
+
 async def test_a_completion_fences_on_the_token_the_session_drew_last(
     store: ClaimStore, conn: Any, db: asyncpg.Connection
 ) -> None:
