@@ -75,10 +75,15 @@ def server_cpu_s(port: int) -> float:
 
 def database_cpu_s() -> float:
     """User + system CPU seconds so far of this machine's PostgreSQL processes (Linux /proc;
-    every backend of the local cluster: the benches' database is on 127.0.0.1). A backend that
-    exits takes its seconds with it: read around a phase whose pools stay open."""
+    every backend of the local cluster, whatever its database, and its background processes:
+    the benches' database is on 127.0.0.1, and a quiet machine is theirs alone). A backend that
+    exits takes its seconds with it: read around a phase whose pools stay open. NaN without
+    /proc."""
     total = 0
-    for entry in Path("/proc").iterdir():
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: nothing to read
+        return float("nan")
+    for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:

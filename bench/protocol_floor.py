@@ -70,7 +70,7 @@ class ProtocolFloor:
                 secrets.randbits(63),
             )
             claim = f"EXECUTE dedupe_http_claim_v1({', '.join(map(sql_value, values))})"
-            status = await conn.execute(f"{conn.prepares()}{self.bounds.begin()}; {claim}")
+            status = await conn.execute(f"{self.bounds.begin()};\n{conn.prepares()}{claim}")
             if status != "INSERT 0 1":
                 await send({"type": "http.response.start", "status": 409, "headers": []})
                 await send({"type": "http.response.body", "body": b""})

@@ -83,6 +83,13 @@ class ClaimTransaction(Database):
         self.conn: asyncpg.Connection | None = conn
         self.used = False
         self.committed = False
+        self.completing = False  # the run's completion is under way: commit() is its own
+
+    def ended_by_endpoint(self) -> bool:
+        """Whether the claim's transaction is no longer open though nothing of ours ended it:
+        the endpoint sent a COMMIT or ROLLBACK itself (asyncpg's own record, no round trip)."""
+        conn = self.conn
+        return conn is not None and not self.committed and not conn.is_in_transaction()
 
     @property
     def started(self) -> bool:
@@ -95,6 +102,11 @@ class ClaimTransaction(Database):
         return self.conn
 
     async def commit(self) -> None:
+        if not self.completing:
+            raise RuntimeError(
+                "request.state.idempotency.db commits with the stored response, after the "
+                "endpoint: do not commit or roll it back yourself"
+            )
         conn = await self.connection()
         reset = conn.get_reset_query()
         await conn.execute(f"COMMIT; {reset}" if reset else "COMMIT")
@@ -349,6 +361,13 @@ class OneTransactionRun(KeyedRun):
         return True  # the claim is in it
 
     async def _complete_in_transaction(self, completion: Completion) -> bool:
+        assert isinstance(self.db, ClaimTransaction)  # the middleware's, for every such run
+        self.db.completing = True
+        if self.db.ended_by_endpoint():
+            # Its writes (and the claim, completed in place) committed or rolled back already:
+            # the completion below stores the response where the claim was committed (later
+            # retries replay it), and is refused where it was rolled back (a 503, released).
+            _ended_by_endpoint(self.fence)
         # Without publishes, the completion and the COMMIT go in one round trip.
         if completion.outbox:
             fence = completion.fence
@@ -357,7 +376,6 @@ class OneTransactionRun(KeyedRun):
                 token = int(await conn.fetchval("SELECT currval('dedupe_claim_tokens')"))
                 completion = completion._replace(fence=Fence(fence.scope, fence.key, token))
             return await KeyedRun._complete_in_transaction(self, completion)
-        assert isinstance(self.db, ClaimTransaction)  # the middleware's, for every such run
         return await self.db.complete_and_commit(completion)
 
     async def _settle_error(self) -> None:
@@ -367,6 +385,8 @@ class OneTransactionRun(KeyedRun):
             await self.db.close()
             return
         self._held.completing = True
+        if isinstance(self.db, ClaimTransaction) and self.db.ended_by_endpoint():
+            await self._hand_back_ended()
         await self.db.close()
         self.outcome = "released_on_error"
         self._mode = "settled"
@@ -397,6 +417,35 @@ class OneTransactionRun(KeyedRun):
                 exc,
                 extra={"scope": self.fence.scope, "key": self.fence.key, "outcome": "not_counted"},
             )
+
+    async def _hand_back_ended(self) -> None:
+        """The endpoint ended the claim's transaction itself, then failed: a claim row it
+        committed is handed back (queries.sql, hand_back_ended_one_transaction), in the claim's
+        session, before the connection goes back."""
+        _ended_by_endpoint(self.fence)
+        assert isinstance(self.db, ClaimTransaction) and self.db.conn is not None
+        try:
+            async with asyncio.timeout(STORE_TIMEOUT_S):
+                await self.db.conn.execute(
+                    queries()["hand_back_ended_one_transaction"], self.fence.scope, self.fence.key
+                )
+        except Exception as exc:
+            logger.warning(
+                "key %s: could not hand back the claim its endpoint committed (%s: %s)",
+                self.fence.key,
+                exc.__class__.__name__,
+                exc,
+                extra={"scope": self.fence.scope, "key": self.fence.key, "outcome": "not_released"},
+            )
+
+
+def _ended_by_endpoint(fence: Fence) -> None:
+    logger.error(
+        "key %s: the endpoint committed or rolled back request.state.idempotency.db itself; it "
+        "commits with the stored response: do not end its transaction",
+        fence.key,
+        extra={"scope": fence.scope, "key": fence.key, "outcome": "ended_by_endpoint"},
+    )
 
 
 def too_long() -> Problem:

@@ -93,7 +93,7 @@ CROSS JOIN LATERAL (
 
 -- name: claim_one_transaction
 -- One-transaction mode of the workers (dedupe/pipeline/one_transaction.py; the HTTP
--- middleware's is the same INSERT, prepared: prepare_http_one_transaction): a first delivery
+-- middleware's is an INSERT like it, prepared: prepare_http_one_transaction): a first delivery
 -- claims its key inside the transaction that then runs the handler and records the
 -- completion. Only a key without a row is claimed here: a row of any state (committed) is
 -- not, and the message or request goes to the two-commit claim (claim_batch), which decides
@@ -196,26 +196,27 @@ RETURNING c.scope, c.key;
 -- status or an error. The PREPAREs go after the BEGIN and its bounds (an INSERT's PREPARE
 -- takes the table's lock, as the claim does).
 --
--- dedupe_http_claim_v1: claim_one_transaction's INSERT, of the row as it will commit. Its
--- status says whether the key is ours: INSERT 0 1, or INSERT 0 0 (a row of any state is in the way, committed, or committed
--- while the statement waited on it; the caller reads it). Only a row inserted lifts the
--- lock_timeout for the rest of the transaction. The token is drawn from the sequence in
--- this session and not read back: the completion fences on currval. The row goes in as it
--- will commit: completed, no lease, expiring after the retention (no other transaction sees
--- it before the COMMIT; a duplicate waits on it, as on any uncommitted row). The completion
+-- dedupe_http_claim_v1: claim_one_transaction's INSERT, of the row as it will commit. Its status
+-- says whether the key is ours: INSERT 0 1, or INSERT 0 0 (a row of any state is in the way,
+-- committed, or committed while the statement waited on it; the caller reads it). Only a row
+-- inserted lifts the lock_timeout for the rest of the transaction. The token is drawn from the
+-- sequence in this session and not read back: the completion fences on currval. The row goes in
+-- as it will commit: completed, no lease, expiring after the retention (no other transaction
+-- sees it before the COMMIT; a duplicate waits on it, as on any uncommitted row). The completion
 -- then writes the response into it without changing an indexed column's value (status,
--- lease_until, and expires_at: now() is the transaction's start), so a HOT update: no index
--- entry for it, and none in the index of keys in progress for the claim.
+-- lease_until, and expires_at: now() is the transaction's start), so a HOT update where the
+-- row's page has room: no index entry for it; and the claim has none in the index of keys in
+-- progress.
 -- $1..$7 ClaimRequest.row (scope, key, payload hash, fingerprint scheme, raw hash, kept
 -- payload, owner), $8 retention (s), $9 claim request id.
 --
--- dedupe_http_complete_v1: complete_one in a statement that fails when the fence refuses (a
--- row claimed completed in place, above, or in progress, under a lease): the
+-- dedupe_http_complete_v1: complete_one in a statement that fails when the fence refuses: the
 -- SELECT divides by the count of rows completed, so a refused completion raises
--- division_by_zero, which ends the query before its COMMIT with the transaction aborted, for
--- the caller to roll back. The fence is the token given ($3), or, when it is NULL, the one
--- this session drew last (currval): the claim's, in this transaction (nothing else draws one
--- in a one-transaction request: its steps are refused; should anything, the fence refuses).
+-- division_by_zero, which ends the query before its COMMIT with the transaction aborted, for the
+-- caller to roll back. The fence is the token given ($3), or, when it is NULL, the one this
+-- session drew last (currval): the claim's, in this transaction (nothing else draws one in a
+-- one-transaction request: its steps are refused; should anything, the fence refuses). The row
+-- is one the claim above inserted completed, or (a test's) one in progress under a lease.
 -- $1 scope, $2 key, $3 token (NULL: currval), $4 result, $5 retention (s).
 PREPARE dedupe_http_claim_v1 (text, text, bytea, text, bytea, bytea, text, float8, bigint) AS
 INSERT INTO dedupe_claims AS c
@@ -236,6 +237,19 @@ WITH done AS (
     RETURNING 1
 )
 SELECT 1 / count(*)::int FROM done;
+
+-- name: hand_back_ended_one_transaction
+-- The HTTP middleware's one-transaction run whose endpoint ended the transaction itself (a
+-- COMMIT or ROLLBACK sent through request.state.idempotency.db) and then failed: a claim row it
+-- committed (completed in place, no result: prepare_http_one_transaction) is handed back as a
+-- first attempt that failed (first_attempt_failed's row: attempts 1, its lease over), so the
+-- retry takes the key over on the two-commit path instead of meeting a key completed without
+-- an answer. Fenced by the token this session drew (currval), in the claim's session; no row
+-- (the endpoint rolled the claim back) is nothing to do.
+UPDATE dedupe_claims AS c
+   SET status = 'in_progress', lease_until = now(), error = 'handed back', updated_at = now()
+ WHERE c.scope = $1 AND c.key = $2 AND c.token = currval('dedupe_claim_tokens')
+   AND c.status = 'completed' AND c.result IS NULL;
 
 -- name: complete_unlocked
 -- `complete` for a statement shared by callers that must not wait for each other (the

@@ -118,6 +118,21 @@ def create_test_api(database_url: str | None = None, **options: Any) -> FastAPI:
         )
         return {"order_id": order_id}
 
+    @api.post("/ends-itself")
+    async def ends_itself(request: Request) -> Response:
+        """Writes an order, then ends its own transaction, which it must not do: X-End
+        `commit()` (request.state.idempotency.db.commit()) or a statement (`COMMIT`,
+        `ROLLBACK`) sent through it; then answers X-Answer (default 201)."""
+        db = request.state.idempotency.db
+        order_id = await _order(request, "ends-itself")
+        end = request.headers.get("x-end", "")
+        if end == "commit()":
+            await db.commit()
+        elif end:
+            await db.execute(end)
+        status = int(request.headers.get("x-answer", "201"))
+        return JSONResponse({"order_id": order_id}, status_code=status)
+
     @api.post("/deallocates", status_code=201)
     async def deallocates(request: Request) -> dict[str, Any]:
         """Writes an order, then runs `DEALLOCATE <X-Deallocate>` on its own connection when

@@ -549,3 +549,59 @@ async def test_a_run_that_deallocated_the_completions_statement_keeps_nothing_an
         answers.append((await post(api, f"dealloc-next-{n}", {"sku": "n"})).status_code)
     assert answers == [201] * 4
     assert await db.fetchval("SELECT count(*) FROM orders WHERE sku = 'deallocates'") == 1
+
+
+# -- an endpoint that ends its transaction itself --------------------------------------------
+
+
+async def ended(api: httpx.AsyncClient, key: str, end: str, answer: int = 201) -> httpx.Response:
+    headers = {"X-End": end, "X-Answer": str(answer)}
+    return await post(api, key, {"sku": "e"}, path="/ends-itself", headers=headers)
+
+
+async def test_an_endpoint_that_calls_commit_gets_a_500_and_keeps_nothing(
+    api: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    """request.state.idempotency.db.commit() raises in a one-transaction run: the endpoint's
+    exception (a 500), everything rolled back; the retry runs as attempt 2."""
+    first = await ended(api, "end-1", "commit()")
+    assert first.status_code == 500
+    assert await db.fetchval("SELECT count(*) FROM orders WHERE sku = 'ends-itself'") == 0
+    retry = await ended(api, "end-1", "")
+    assert retry.status_code == 201, retry.text
+    assert (await claim_row(db, "end-1") or {}).get("attempts") == 2
+
+
+async def test_an_endpoint_that_sends_commit_has_its_answer_stored_and_replayed(
+    api: httpx.AsyncClient, db: asyncpg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A COMMIT sent through the endpoint's connection committed its writes and the claim row
+    (completed in place, no answer yet): the completion stores the answer after it, in a
+    transaction of its own, so the retry is a replay, not a key completed without an answer;
+    the misuse is logged as an error."""
+    with caplog.at_level(logging.ERROR, logger="dedupe.asgi"):
+        first = await ended(api, "end-2", "COMMIT")
+    assert first.status_code == 201, first.text
+    assert any("do not end its transaction" in r.getMessage() for r in caplog.records)
+    again = await ended(api, "end-2", "")
+    assert again.status_code == 201 and again.content == first.content
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert await db.fetchval("SELECT count(*) FROM orders WHERE sku = 'ends-itself'") == 1
+    assert (await claim_row(db, "end-2") or {}).get("status") == "completed"
+
+
+@pytest.mark.parametrize("end", ["COMMIT", "ROLLBACK"])
+async def test_an_endpoint_that_ends_its_transaction_and_fails_leaves_its_key_to_the_retry(
+    api: httpx.AsyncClient, db: asyncpg.Connection, end: str
+) -> None:
+    """A COMMIT or ROLLBACK sent through the endpoint's connection, then a 503: the claim row
+    the COMMIT committed (completed in place, no answer) is handed back, as a failed first
+    attempt's, so the retry runs as attempt 2 (its order is a second one: the first committed
+    on its own, which is why an endpoint must not end its transaction), never a 409 for a key
+    completed without an answer."""
+    first = await ended(api, f"end-3-{end}", end, answer=503)
+    assert first.status_code == 503, first.text
+    retry = await ended(api, f"end-3-{end}", "")
+    assert retry.status_code == 201, retry.text
+    row = await claim_row(db, f"end-3-{end}") or {}
+    assert (row.get("status"), row.get("attempts")) == ("completed", 2)

@@ -108,14 +108,16 @@ async def test_the_claim_row_goes_in_as_it_commits_and_its_completion_is_a_hot_u
         1,
     )
     assert row["left"].total_seconds() == 3600
-    await conn.execute(
-        "EXECUTE dedupe_http_complete_v1($$t.http/p$$, 'k', NULL, '{\"n\": 1}', 3600.0)"
-    )
-    hot = await conn.fetchrow(
+    counts = (
         "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
         " WHERE relname = 'dedupe_claims'"
     )
-    assert (hot["n_tup_upd"], hot["n_tup_hot_upd"]) == (1, 1)
+    before = await conn.fetchrow(counts)
+    await conn.execute(
+        "EXECUTE dedupe_http_complete_v1($$t.http/p$$, 'k', NULL, '{\"n\": 1}', 3600.0)"
+    )
+    after = await conn.fetchrow(counts)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)  # one update, HOT
     await conn.execute("COMMIT")
     stored = await db.fetchrow(
         "SELECT status, lease_until, result::text, expires_at > now() + interval '59 minutes'"
