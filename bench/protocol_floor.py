@@ -5,25 +5,24 @@ of the middleware's generality. Not a product path and not safe to serve: no rep
 an open transaction: an error after lock_timeout), repeated or upper-case key headers are not
 refused. It measures how far a leaner implementation of the same protocol could go: the key
 and principal read, the fingerprint, the bounded BEGIN and the claim in one round trip (the
-prepared statements of dedupe.asgi.one_transaction), the endpoint with its writes on the
+middleware's own `claim`, dedupe.asgi.one_transaction), the endpoint with its writes on the
 claim's connection, the response buffered and stored with the fenced completion and the
 COMMIT in one round trip.
 """
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 import asyncpg
 
 from dedupe.asgi.keys import RequestLine, checked_key, fingerprint, principal_hash
-from dedupe.asgi.one_transaction import ClaimTransaction
+from dedupe.asgi.one_transaction import ClaimTransaction, claim
 from dedupe.asgi.replies import StoredResponse
 from dedupe.asgi.state import Idempotency
 from dedupe.claims.completion import SESSION_TOKEN, Completion
-from dedupe.claims.database import TransactionBounds, connect_pool, sql_value
-from dedupe.claims.records import Fence
+from dedupe.claims.database import TransactionBounds, connect_pool
+from dedupe.claims.records import ClaimRequest, Fence
 
 OWNER = "floor@bench"
 
@@ -58,20 +57,9 @@ class ProtocolFloor:
         conn = await self.pool.acquire()
         db = ClaimTransaction(self.pool, conn)
         try:
-            values = (
-                claim_scope,
-                key,
-                fingerprint(line, body),
-                None,
-                None,
-                None,
-                OWNER,
-                86400.0,
-                secrets.randbits(63),
-            )
-            claim = f"EXECUTE dedupe_http_claim_v1({', '.join(map(sql_value, values))})"
-            status = await conn.execute(f"{self.bounds.begin()};\n{conn.prepares()}{claim}")
-            if status != "INSERT 0 1":
+            request = ClaimRequest(claim_scope, key, fingerprint(line, body))
+            claimed = await claim(db, request, self.bounds, owner=OWNER, retention_s=86400.0)
+            if claimed.token is None:
                 await send({"type": "http.response.start", "status": 409, "headers": []})
                 await send({"type": "http.response.body", "body": b""})
                 return
