@@ -142,7 +142,11 @@ class KeyedRun:
                 # effects), so the request's objects go by reference counting, not by the
                 # cyclic GC (tests/integration/test_http_api_garbage.py; about 30 us of a new
                 # key's CPU, bench/http_core.py). The transaction's block marks (-> effects ->
-                # the transaction) go with its close, which drops them first.
+                # the transaction) go with its close, which drops them first. The effects,
+                # kept in the scope as request.state.idempotency's, let go of the run (-> its
+                # send, which a server's request cycle binds, -> the scope).
+                if self.effects is not None:
+                    self.effects.end()
                 self.effects = None
                 self._scope = None
 

@@ -58,6 +58,10 @@ def _check_storable(what: str, text: str) -> None:
         raise DedupeError(f"ctx.publish: {what} is not UTF-8 text ({exc.reason})") from exc
 
 
+def _run_over() -> None:
+    """RunEffects' cancel once its run is over: there is nothing left to cancel."""
+
+
 class RunEffects:
     """The publishes and steps of one run of a claim (one attempt)."""
 
@@ -69,6 +73,13 @@ class RunEffects:
         db.on_block(self._mark)
         self._counts: collections.Counter[str] = collections.Counter()
         self._cancel = cancel
+
+    def end(self) -> None:
+        """The run is over: a step still running in a task the run left behind cancels
+        nothing, and the effects no longer refer to the run. (They outlive it where the request
+        is kept: `request.state.idempotency` in the scope, which the server's `send` holds, and
+        the run holds `send`, a cycle per request that only the cyclic GC would free.)"""
+        self._cancel = _run_over
 
     def _mark(self) -> Callable[[], None]:
         published = len(self.outgoing)
