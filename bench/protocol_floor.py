@@ -40,7 +40,9 @@ class ProtocolFloor:
         if scope["type"] == "lifespan":
             if self.pool is None:
                 self.pool = await connect_pool(self.url, max_size=20)
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send)  # returns after the shutdown
+            await self.pool.close()
+            self.pool = None
             return
         headers = scope["headers"]
         key = auth = None
