@@ -137,14 +137,14 @@ class KeyedRun:
                 self.leases.forget(held)
                 await self.db.close()
             finally:
-                # The run is over: drop the references that close cycles (effects -> its
-                # cancel, run.lose -> the run; the scope -> request.state.idempotency ->
-                # effects), so the request's objects go by reference counting, not by the
-                # cyclic GC (tests/integration/test_http_api_garbage.py; about 30 us of a new
-                # key's CPU, bench/http_core.py). The transaction's block marks (-> effects ->
-                # the transaction) go with its close, which drops them first. The effects,
-                # kept in the scope as request.state.idempotency's, let go of the run (-> its
-                # send, which a server's request cycle binds, -> the scope).
+                # The run is over: the request's objects must go by reference counting, not
+                # by the cyclic GC (tests/integration/test_http_api_garbage.py; its full
+                # collections were the p99 at half load, BENCHMARKS.md). The effects outlive
+                # the run as request.state.idempotency's, in the scope a server's request
+                # cycle holds, and their cancel (run.lose) reached the run and its send, which
+                # that cycle binds: end() lets go of it. The run lets go of the effects and the
+                # scope as well; the transaction's block marks (-> effects -> the transaction)
+                # go with its close, which drops them first.
                 if self.effects is not None:
                     self.effects.end()
                 self.effects = None

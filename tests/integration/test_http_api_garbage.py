@@ -17,7 +17,7 @@ import pytest
 from bench import http_core
 from tests.apps.http_api import create_test_api
 from tests.garbage import ours, saved_garbage
-from tests.in_process import post
+from tests.in_process import BODY, post
 from tests.integration.http_server import serving
 
 KEY = "Idempotency-Key"
@@ -53,16 +53,15 @@ async def test_a_request_served_by_uvicorn_leaves_no_cycle(
     app = create_test_api(orders_db, one_transaction=one_transaction)
     key = uuid.uuid4().hex
     headers = {"Authorization": "Bearer garbage", "Content-Type": "application/json"}
-    body = b'{"sku": "garbage", "quantity": 1}'
     async with serving(app) as base, httpx.AsyncClient(base_url=base) as client:
-        warm = await client.post("/orders", content=body, headers={**headers, KEY: "warm-" + key})
+        warm = await client.post("/orders", content=BODY, headers={**headers, KEY: "warm-" + key})
         assert warm.status_code == 201
         with saved_garbage() as garbage:
             statuses = [
-                (await client.post(path, content=body, headers={**headers, KEY: key})).status_code
+                (await client.post(path, content=BODY, headers={**headers, KEY: key})).status_code
                 for _ in range(2)
             ]
-            unkeyed = await client.post("/orders", content=body, headers=headers)
+            unkeyed = await client.post("/orders", content=BODY, headers=headers)
             # The server's task of the last request may still be ending after its answer went
             # out (it runs in this loop): let it end, or its live objects would not be garbage.
             await asyncio.sleep(0.2)
