@@ -131,8 +131,15 @@ class KeyedRun:
                 # answers (a 500); nothing is kept and the client's retry runs again.
                 await self._settle_error()
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:
+                    # Its traceback holds this frame, and this frame held it: a cycle.
+                    error = None
         finally:
+            # A failed endpoint's task holds its error, whose traceback holds endpoint()'s
+            # frame and through it this run: let go of the task (test_http_api_garbage.py).
+            held.task = None
             try:
                 self.leases.forget(held)
                 await self.db.close()
