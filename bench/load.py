@@ -79,6 +79,16 @@ def database_cpu_s() -> float:
     the benches' database is on 127.0.0.1, and a quiet machine is theirs alone). A backend that
     exits takes its seconds with it: read around a phase whose pools stay open. NaN without
     /proc."""
+    return _cpu_s_of("postgres")
+
+
+def broker_cpu_s() -> float:
+    """The same for RabbitMQ's Erlang VM (beam.smp: the node the benches publish to)."""
+    return _cpu_s_of("beam")
+
+
+def _cpu_s_of(prefix: str) -> float:
+    """User + system CPU seconds so far of the processes whose name starts with `prefix`."""
     total = 0
     proc = Path("/proc")
     if not proc.is_dir():  # not Linux: nothing to read
@@ -91,7 +101,7 @@ def database_cpu_s() -> float:
         except OSError:
             continue
         name, _, rest = stat.partition("(")[2].rpartition(")")
-        if name.startswith("postgres"):
+        if name.startswith(prefix):
             fields = rest.split()
             total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
@@ -133,10 +143,12 @@ async def phase(
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    cpu_before, db_before = server_cpu_s(port), database_cpu_s()
+    cpu_before, db_before, mq_before = server_cpu_s(port), database_cpu_s(), broker_cpu_s()
+    client_before = time.process_time()
     await asyncio.gather(*(client() for _ in range(connections)))
     elapsed = time.perf_counter() - begin
     cpu_s, db_s = server_cpu_s(port) - cpu_before, database_cpu_s() - db_before
+    mq_s, client_s = broker_cpu_s() - mq_before, time.process_time() - client_before
     ms = sorted(x * 1000 for x in latencies)
     if len(ms) < 2:  # statistics.quantiles needs two; a phase cut short by its deadline
         ms = ms or [float("nan")]
@@ -158,6 +170,10 @@ async def phase(
         # PostgreSQL's CPU per request (all its processes: the work of the claims and the
         # endpoint's statements, and anything else the cluster did meanwhile).
         "db_cpu_ms": db_s * 1000 / max(1, len(latencies)),
+        # RabbitMQ's, the same way (the publishes' work), and this load generator's own: with
+        # the server's, what the machine's cores spent per request.
+        "broker_cpu_ms": mq_s * 1000 / max(1, len(latencies)),
+        "client_cpu_ms": client_s * 1000 / max(1, len(latencies)),
     }
 
 

@@ -3,24 +3,28 @@
     .venv/bin/python -m bench.receiver [--requests 3000] [--connections 32] [--paced-s 10]
                                        [--time-limit-s 60] [--commit-n 1000] [--json PATH]
 
-Three servers on 127.0.0.1, all Starlette on uvicorn in one process each with the same event loop
+Four servers on 127.0.0.1, all Starlette on uvicorn in one process each with the same event loop
 and HTTP implementation, serve POST /webhooks/github with the same GitHub X-Hub-Signature-256
 check: `dedupe-worker receive bench.receiver:app` (verify, claim the delivery's key in a fresh
 database, publish with confirms, store the reply; a replay gets the stored reply),
 bench.apps.hand_written_receiver (verify, publish with confirms to a durable queue, 202; no
-database, no dedupe) and bench.apps.verify_only_receiver (the same check and 202, nothing else:
-the least a receiver does on this stack, the rate no replay can pass). One keep-alive HTTP/1.1
-load generator (bench.load) drives each at the same connection count: the hand-written ones
-with a new delivery id per request, the receiver with new keys and then the same keys again
-(replays; for the hand-written one a replay is one more request, so replays are read against
-its rate), then the hand-written one and the receiver's new keys open-loop at half of their own
-maximum (requests due at a fixed rate, latency counted from when each was due). bench.commit
-measures the machine's durable commit first. Printed: requests/s, p50/p90/p99 and the server's
-CPU per request of every phase, and issue 28's ratios with verdicts: new keys >= 0.8x the
-hand-written rate, replays >= 2x, p99 at half load minus the hand-written one's at its half
-load <= 2 x the commit p99 + 5 ms (no verdict when the hand-written server's p99 at half load
-exceeds its own at full speed: the machine was busy). The database and the queues are removed
-at the end. Every phase is bounded by its count and --time-limit-s. Not part of the test suite.
+database, no dedupe), bench.apps.verify_only_receiver (the same check and 202, nothing else:
+the least a receiver does on this stack, the rate no replay can pass) and
+bench.apps.naive_receiver (the hand-written one with the check users write by hand, as the
+workers' naive consumer: one transaction per request, look the delivery up, publish and
+remember a new one). One keep-alive HTTP/1.1 load generator (bench.load) drives each at the
+same connection count: the hand-written ones with a new delivery id per request, the receiver
+and the naive one with new keys and then the same keys again (replays; for the hand-written
+one a replay is one more request, so replays are read against its rate), then the hand-written
+one and the receiver's new keys open-loop at half of their own maximum (requests due at a fixed
+rate, latency counted from when each was due). bench.commit measures the machine's durable commit
+first. Printed: requests/s, p50/p90/p99 and the CPU per request of every phase (the server's,
+PostgreSQL's, RabbitMQ's, and with the load generator's the machine's), and issue 28's ratios with
+verdicts: new keys >= 0.8x the hand-written rate, replays >= 2x, p99 at half load minus the
+hand-written one's at its half load <= 2 x the commit p99 + 5 ms (no verdict when the hand-written
+server's p99 at half load exceeds its own at full speed: the machine was busy), and the receiver's
+rates over the naive one's (no target). The database and the queues are removed at the end. Every
+phase is bounded by its count and --time-limit-s. Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +90,11 @@ async def drive(
 
 def line(name: str, r: dict[str, Any]) -> str:
     done = f"{r['requests']}" + (f" of {r['planned']}" if r["requests"] < r["planned"] else "")
+    machine = r["cpu_ms"] + r["db_cpu_ms"] + r["broker_cpu_ms"] + r["client_cpu_ms"]
     return (
         f"| {name} | {done} | {r['rate']:,.0f} | {r['p50_ms']:.2f} | {r['p90_ms']:.2f} | "
-        f"{r['p99_ms']:.2f} | {r['cpu_ms']:.2f} | {r['statuses']} |"
+        f"{r['p99_ms']:.2f} | {r['cpu_ms']:.2f} | {r['db_cpu_ms']:.2f} | "
+        f"{r['broker_cpu_ms']:.2f} | {machine:.2f} | {r['statuses']} |"
     )
 
 
@@ -145,17 +152,23 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     db_url = f"{base}/{db_name}"
     prefix = f"bench-{run}-"
     plain_queue = f"{prefix}hand-written-github"
+    naive_queue = f"{prefix}naive-github"
     admin = await asyncpg.connect(args.database)
     await admin.execute(f"CREATE DATABASE {db_name}")
     await admin.close()
     try:
         await migrate(db_url)
-        if SEED_ROWS:
-            conn = await asyncpg.connect(db_url)
-            try:
-                await seed(conn, SEED_ROWS, naive=False)
-            finally:
-                await conn.close()
+        conn = await asyncpg.connect(db_url)
+        try:
+            # The naive receiver's table, as deep as the claims table (bench.harness.seed).
+            await conn.execute(
+                "CREATE TABLE bench_processed (key text PRIMARY KEY,"
+                " processed_at timestamptz NOT NULL DEFAULT now())"
+            )
+            if SEED_ROWS:
+                await seed(conn, SEED_ROWS, naive=True)
+        finally:
+            await conn.close()
         receiver_env = {
             "DEDUPE_DATABASE_URL": db_url,
             "DEDUPE_BROKER_URL": args.broker,
@@ -182,39 +195,53 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 load.uvicorn_command("bench.apps:verify_only_receiver"),
                 {"GITHUB_WEBHOOK_SECRET": GITHUB_SECRET},
             ) as floor,
+            load.serving(
+                load.uvicorn_command("bench.apps:naive_receiver"),
+                {**plain_env, "BENCH_QUEUE": naive_queue, "BENCH_DATABASE_URL": db_url},
+            ) as naive,
         ):
-            await measure(figures, dedupe, plain, floor, run, args)
+            await measure(figures, Servers(dedupe, plain, floor, naive), run, args)
     finally:
-        await cleanup(args.database, db_name, args.broker, prefix, plain_queue)
+        await cleanup(args.database, db_name, args.broker, prefix, [plain_queue, naive_queue])
     return figures
 
 
+@dataclass(frozen=True)
+class Servers:
+    """The ports of the four servers."""
+
+    dedupe: int  # dedupe-worker receive
+    plain: int  # the hand-written receiver
+    floor: int  # the same verifying without publishing
+    naive: int  # the hand-written one with the naive check
+
+
 async def measure(
-    figures: dict[str, Any],
-    dedupe: int,
-    plain: int,
-    floor: int,
-    run: str,
-    args: argparse.Namespace,
+    figures: dict[str, Any], servers: Servers, run: str, args: argparse.Namespace
 ) -> None:
     n, c = args.requests, args.connections
+    dedupe, plain, floor, naive = servers.dedupe, servers.plain, servers.floor, servers.naive
     print(
         f"POST /webhooks/github (HMAC verified) on 127.0.0.1, {c} keep-alive connections, "
         f"{n} requests per phase; every server uvicorn, one process each, loop "
         f"{load.event_loop()}, http {load.http_implementation()}: dedupe-worker receive on "
-        f":{dedupe}, the "
-        f"hand-written receiver on :{plain}, the same verifying without publishing on :{floor}",
+        f":{dedupe}, the hand-written receiver on :{plain}, the same verifying without "
+        f"publishing on :{floor}, the same with the naive check on :{naive}",
         flush=True,
     )
     warm = min(500, n)
     await drive(plain, [f"{run}-warm-plain-{i}" for i in range(warm)], args)
     await drive(dedupe, [f"{run}-warm-{i}" for i in range(warm)], args)
     await drive(floor, [f"{run}-warm-floor-{i}" for i in range(warm)], args)
+    await drive(naive, [f"{run}-warm-naive-{i}" for i in range(warm)], args)
     figures["hand_written"] = await drive(plain, [f"{run}-plain-{i}" for i in range(n)], args)
     figures["verify_only"] = await drive(floor, [f"{run}-floor-{i}" for i in range(n)], args)
     keys = [f"{run}-{i}" for i in range(n)]
     figures["new_keys"] = await drive(dedupe, keys, args)
     figures["replays"] = await drive(dedupe, keys, args)
+    naive_keys = [f"{run}-naive-{i}" for i in range(n)]
+    figures["naive_new_keys"] = await drive(naive, naive_keys, args)
+    figures["naive_replays"] = await drive(naive, naive_keys, args)
     # Open loop at half of each one's own maximum, for --paced-s (at most --time-limit-s).
     for name, port, of in (
         ("hand_written", plain, "hand_written"),
@@ -234,13 +261,16 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
     plain, new, replays = figures["hand_written"], figures["new_keys"], figures["replays"]
     plain_half, new_half = figures["hand_written_half"], figures["new_keys_half"]
     print(
-        "\n| phase | requests | req/s | p50 ms | p90 ms | p99 ms | server CPU ms/req | statuses |"
-        "\n|---|---|---|---|---|---|---|---|"
+        "\n| phase | requests | req/s | p50 ms | p90 ms | p99 ms | CPU ms/req: server "
+        "| PostgreSQL | RabbitMQ | all (+ load generator) | statuses |"
+        "\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     print(line("hand-written (verify, publish with confirm)", plain))
     print(line("verify only (verify, 202: no receiver does less)", figures["verify_only"]))
     print(line("receiver, new keys (verify, claim, publish, store)", new))
     print(line("receiver, replays (verify, stored reply)", replays))
+    print(line("naive check, new keys (look up, publish, remember)", figures["naive_new_keys"]))
+    print(line("naive check, replays (look up, 202)", figures["naive_replays"]))
     print(line(f"hand-written, paced at {plain_half['target_rate']:,.0f}/s", plain_half))
     print(line(f"receiver new keys, paced at {new_half['target_rate']:,.0f}/s", new_half))
     base = plain["rate"] or float("nan")  # nothing answered in time: no ratio, no verdict
@@ -254,7 +284,11 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
     commit_p99 = figures.get("commit", {}).get("p99_ms")
     bound = None if commit_p99 is None else 2 * commit_p99 + 5
     p99_ok, why_not = latency_verdict(plain, plain_half, new_half, bound)
+    naive_new = figures["naive_new_keys"]["rate"] or float("nan")
+    naive_replays = figures["naive_replays"]["rate"] or float("nan")
     figures["ratios"] = {
+        "new_keys_vs_naive": new["rate"] / naive_new,
+        "replays_vs_naive": replays["rate"] / naive_replays,
         "new_keys_vs_hand_written": new_ratio,
         "replays_vs_hand_written": replay_ratio,
         "verify_only_vs_hand_written": floor_ratio,
@@ -281,9 +315,16 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
         f"p99 {commit_p99} ms + 5 ms): {verdict(p99_ok, p99_added)}"
         + (f" ({why_not})" if why_not else "")
     )
+    print(
+        f"  against the naive check (no target): new keys "
+        f"{figures['ratios']['new_keys_vs_naive']:.2f}x, replays "
+        f"{figures['ratios']['replays_vs_naive']:.2f}x"
+    )
 
 
-async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str, queue: str) -> None:
+async def cleanup(
+    admin_url: str, db_name: str, broker: str, prefix: str, queues: list[str]
+) -> None:
     import asyncpg
 
     from dedupe.testing.databases import drop_forced
@@ -295,7 +336,7 @@ async def cleanup(admin_url: str, db_name: str, broker: str, prefix: str, queue:
     finally:
         await admin.close()
     with contextlib.suppress(Exception):
-        await delete_channels(broker, [*make_app(prefix=prefix).channels, queue])
+        await delete_channels(broker, [*make_app(prefix=prefix).channels, *queues])
 
 
 EPILOG = """\
@@ -305,6 +346,9 @@ phases, in this order, each bounded by its count and --time-limit-s:
   verify only   bench.apps.verify_only_receiver: the same verify, 202, no publish (the floor)
   new keys      dedupe-worker receive: verify, claim, publish with confirm, store the reply
   replays       the same deliveries again: verify, the stored reply
+  naive         bench.apps.naive_receiver: the hand-written one with the check users write
+                (one transaction: look the delivery up; publish and remember a new one),
+                new deliveries then the same again; no target, the receiver's rates over it
   paced         each server open-loop at half of its own maximum for --paced-s
 verdicts (issue 28): new keys >= 0.8x the hand-written rate; replays >= 2x it; p99 at half
 load minus the hand-written one's <= 2 x commit p99 + 5 ms.
