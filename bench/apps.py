@@ -83,13 +83,16 @@ def hand_written_receiver(*, publish: bool = True, naive: bool = False) -> Any:
     BENCH_DATABASE_URL besides for the naive check).
     """
     import aio_pika
-    import asyncpg
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from bench.baselines import NAIVE_INSERT, NAIVE_SELECT
+    if naive:
+        import asyncpg
+
+        from bench.baselines import NAIVE_INSERT, NAIVE_SELECT
+        from dedupe.claims.database import connect_options
 
     secret = os.environ["GITHUB_WEBHOOK_SECRET"].encode()
 
@@ -100,9 +103,11 @@ def hand_written_receiver(*, publish: bool = True, naive: bool = False) -> Any:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(connection)
             if naive:
-                # As many connections as `dedupe-worker receive` opens (--pool-size 20).
+                # As many connections as `dedupe-worker receive` opens (--pool-size 20), and
+                # its TLS choice (none to this machine unless the URL asks for it).
+                dsn = os.environ["BENCH_DATABASE_URL"]
                 api.state.pool = await stack.enter_async_context(
-                    asyncpg.create_pool(os.environ["BENCH_DATABASE_URL"], max_size=20, ssl=False)
+                    asyncpg.create_pool(dsn, min_size=1, max_size=20, **connect_options(dsn))
                 )
             channel = await connection.channel(publisher_confirms=True)
             await channel.declare_queue(queue, durable=True)

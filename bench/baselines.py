@@ -15,6 +15,10 @@ if TYPE_CHECKING:  # bench.apps' naive receiver takes the SQL below without psut
     from bench.tally import Tally
 
 INSERT_ROW = "INSERT INTO bench_rows (id) VALUES ($1)"
+NAIVE_TABLE = (
+    "CREATE TABLE bench_processed (key text PRIMARY KEY,"
+    " processed_at timestamptz NOT NULL DEFAULT now())"
+)
 NAIVE_SELECT = "SELECT 1 FROM bench_processed WHERE key = $1"
 NAIVE_INSERT = "INSERT INTO bench_processed (key) VALUES ($1)"
 

@@ -17,6 +17,7 @@ from typing import Any
 import asyncpg
 
 from bench.apps import PUBLISHING, out_channel
+from bench.baselines import NAIVE_TABLE
 from dedupe.claims.database import migrate
 from dedupe.testing.databases import drop_forced
 
@@ -71,11 +72,7 @@ async def fresh_database() -> AsyncIterator[str]:
         await migrate(url)
         conn = await asyncpg.connect(url)
         try:
-            await conn.execute(
-                "CREATE TABLE bench_rows (id text PRIMARY KEY);"
-                "CREATE TABLE bench_processed (key text PRIMARY KEY,"
-                " processed_at timestamptz NOT NULL DEFAULT now())"
-            )
+            await conn.execute("CREATE TABLE bench_rows (id text PRIMARY KEY);" + NAIVE_TABLE)
             if SEED_ROWS:
                 await seed(conn, SEED_ROWS)
         finally:

@@ -89,7 +89,7 @@ def broker_cpu_s() -> float:
 
 def _cpu_s_of(prefix: str) -> float:
     """User + system CPU seconds so far of the processes whose name starts with `prefix`."""
-    total = 0
+    total, found = 0, False
     proc = Path("/proc")
     if not proc.is_dir():  # not Linux: nothing to read
         return float("nan")
@@ -104,7 +104,9 @@ def _cpu_s_of(prefix: str) -> float:
         if name.startswith(prefix):
             fields = rest.split()
             total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+            found = True
+    # None of them here (another host, another namespace): no figure rather than a zero.
+    return total / os.sysconf("SC_CLK_TCK") if found else float("nan")
 
 
 async def phase(
@@ -147,8 +149,9 @@ async def phase(
     client_before = time.process_time()
     await asyncio.gather(*(client() for _ in range(connections)))
     elapsed = time.perf_counter() - begin
+    client_s = time.process_time() - client_before  # before the reads of /proc below
     cpu_s, db_s = server_cpu_s(port) - cpu_before, database_cpu_s() - db_before
-    mq_s, client_s = broker_cpu_s() - mq_before, time.process_time() - client_before
+    mq_s = broker_cpu_s() - mq_before
     ms = sorted(x * 1000 for x in latencies)
     if len(ms) < 2:  # statistics.quantiles needs two; a phase cut short by its deadline
         ms = ms or [float("nan")]

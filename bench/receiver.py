@@ -139,6 +139,7 @@ def latency_verdict(
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     import asyncpg
 
+    from bench.baselines import NAIVE_TABLE
     from bench.commit import commit_latency
     from bench.harness import SEED_ROWS, seed
     from dedupe.claims.database import migrate
@@ -161,10 +162,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         conn = await asyncpg.connect(db_url)
         try:
             # The naive receiver's table, as deep as the claims table (bench.harness.seed).
-            await conn.execute(
-                "CREATE TABLE bench_processed (key text PRIMARY KEY,"
-                " processed_at timestamptz NOT NULL DEFAULT now())"
-            )
+            await conn.execute(NAIVE_TABLE)
             if SEED_ROWS:
                 await seed(conn, SEED_ROWS, naive=True)
         finally:
@@ -349,7 +347,8 @@ phases, in this order, each bounded by its count and --time-limit-s:
   naive         bench.apps.naive_receiver: the hand-written one with the check users write
                 (one transaction: look the delivery up; publish and remember a new one),
                 new deliveries then the same again; no target, the receiver's rates over it
-  paced         each server open-loop at half of its own maximum for --paced-s
+  paced         the hand-written server and the receiver's new keys, open-loop at half of
+                their own maximum for --paced-s
 verdicts (issue 28): new keys >= 0.8x the hand-written rate; replays >= 2x it; p99 at half
 load minus the hand-written one's <= 2 x commit p99 + 5 ms.
 Only 127.0.0.1 services; the database and the queues it creates are removed at the end."""
@@ -366,7 +365,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--requests", type=int, default=3000, help="requests per phase at full speed (3000)"
     )
     parser.add_argument(
-        "--connections", type=int, default=32, help="keep-alive connections, both servers (32)"
+        "--connections", type=int, default=32, help="keep-alive connections, every server (32)"
     )
     parser.add_argument(
         "--paced-s",
@@ -393,7 +392,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--broker",
         default=os.environ.get("DEDUPE_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/"),
-        help="RabbitMQ (both servers publish there)",
+        help="RabbitMQ (every server that publishes)",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)

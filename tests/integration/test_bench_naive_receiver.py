@@ -13,7 +13,7 @@ import asyncpg
 import httpx
 import pytest
 
-from bench import apps, http_core
+from bench import apps, baselines, http_core
 
 SECRET = "naive-test-secret"
 BODY = b'{"ref": "refs/heads/main"}'
@@ -44,9 +44,7 @@ async def test_the_naive_receiver_publishes_each_delivery_once(
     channel: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    await db.execute(
-        "CREATE TABLE bench_processed (key text PRIMARY KEY, processed_at timestamptz)"
-    )
+    await db.execute(baselines.NAIVE_TABLE)
     monkeypatch.setenv("GITHUB_WEBHOOK_SECRET", SECRET)
     monkeypatch.setenv("BENCH_AMQP_URL", amqp_url)
     monkeypatch.setenv("BENCH_QUEUE", channel)
