@@ -1,7 +1,9 @@
 """The consumers dedupe-worker is compared with, each run by bench/worker.py: the raw clients
 (aio-pika consume + ack, aiokafka getmany + commit), the hand-written check users write instead
 (SELECT, then INSERT, one transaction per message), a FastStream subscriber with that check, and
-a bare batched claim + complete loop on the pool (the database's own limit)."""
+a bare batched claim + complete loop on the pool (the database's own limit). Their pools connect
+as dedupe's do (connect_options: no TLS to this machine unless the URL asks for it), so that a
+ratio does not count TLS against one side only."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
+
+from dedupe.claims.database import connect_options
 
 if TYPE_CHECKING:  # bench.apps' naive receiver takes the SQL below without psutil (bench.tally)
     from bench.tally import Tally
@@ -38,7 +42,9 @@ async def naive_check(pool: asyncpg.Pool, key: str, insert: bool) -> None:
 async def rabbit_plain(args: argparse.Namespace, tally: Tally, naive: bool) -> dict[str, Any]:
     import aio_pika
 
-    pool = await asyncpg.create_pool(args.db, min_size=1, max_size=args.concurrency + 4)
+    pool = await asyncpg.create_pool(
+        args.db, min_size=1, max_size=args.concurrency + 4, **connect_options(args.db)
+    )
     connection = await aio_pika.connect(args.broker, timeout=10)
     async with connection, pool:
         channel = await connection.channel()
@@ -65,7 +71,9 @@ async def rabbit_plain(args: argparse.Namespace, tally: Tally, naive: bool) -> d
 async def rabbit_faststream(args: argparse.Namespace, tally: Tally) -> dict[str, Any]:
     from faststream.rabbit import Channel, RabbitBroker, RabbitMessage, RabbitQueue
 
-    pool = await asyncpg.create_pool(args.db, min_size=1, max_size=args.concurrency + 4)
+    pool = await asyncpg.create_pool(
+        args.db, min_size=1, max_size=args.concurrency + 4, **connect_options(args.db)
+    )
     broker = RabbitBroker(args.broker, logger=None)
     insert = args.handler == "insert"
 
@@ -92,7 +100,7 @@ async def rabbit_faststream(args: argparse.Namespace, tally: Tally) -> dict[str,
 async def kafka_plain(args: argparse.Namespace, tally: Tally, naive: bool) -> dict[str, Any]:
     from aiokafka import AIOKafkaConsumer
 
-    pool = await asyncpg.create_pool(args.db, min_size=1, max_size=4)
+    pool = await asyncpg.create_pool(args.db, min_size=1, max_size=4, **connect_options(args.db))
     consumer = AIOKafkaConsumer(
         args.channel,
         bootstrap_servers=args.broker.removeprefix("kafka://"),

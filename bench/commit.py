@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:
 import asyncpg  # noqa: E402
 
 from bench.harness import fresh_database  # noqa: E402
+from dedupe.claims.database import connect_options  # noqa: E402
 
 WARM_UP = 50  # inserts before the timed ones: the plan, the first pages, the connection
 
@@ -39,7 +40,7 @@ async def commit_latency(n: int) -> dict[str, Any]:
     """p50/p99/max of n durable single-row INSERTs, each its own transaction, on one connection."""
     n = max(1, n)
     async with fresh_database() as url:
-        conn = await asyncpg.connect(url)
+        conn = await asyncpg.connect(url, **connect_options(url))
         try:
             await conn.execute("SET synchronous_commit = on")
             await conn.execute(
