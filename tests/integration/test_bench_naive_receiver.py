@@ -5,36 +5,15 @@ a publish, and a bad signature publishes nothing."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-
-import aio_pika
 import asyncpg
 import httpx
 import pytest
 
 from bench import apps, baselines, http_core
+from tests.integration.test_receiver import github_request, queue_depth
 
 SECRET = "naive-test-secret"
 BODY = b'{"ref": "refs/heads/main"}'
-
-
-def signed(delivery: str, body: bytes = BODY) -> dict[str, str]:
-    signature = hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
-    return {
-        "Content-Type": "application/json",
-        "X-GitHub-Event": "push",
-        "X-GitHub-Delivery": delivery,
-        "X-Hub-Signature-256": f"sha256={signature}",
-    }
-
-
-async def queued(amqp_url: str, queue: str) -> int:
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        amqp = await connection.channel()
-        declared = await amqp.declare_queue(queue, durable=True, passive=True)
-        return int(declared.declaration_result.message_count or 0)
 
 
 async def test_the_naive_receiver_publishes_each_delivery_once(
@@ -54,13 +33,19 @@ async def test_the_naive_receiver_publishes_each_delivery_once(
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             statuses = [
-                (await client.post("/webhooks/github", content=BODY, headers=signed(d))).status_code
+                (
+                    await client.post(
+                        "/webhooks/github",
+                        content=BODY,
+                        headers=github_request(BODY, d, secret=SECRET),
+                    )
+                ).status_code
                 for d in ("d-1", "d-1", "d-2")
             ]
-            forged = {**signed("d-3"), "X-Hub-Signature-256": "sha256=" + "0" * 64}
+            forged = github_request(BODY, "d-3", secret="another-secret")
             refused = await client.post("/webhooks/github", content=BODY, headers=forged)
     assert statuses == [202, 202, 202]
     assert refused.status_code == 401
-    assert await queued(amqp_url, channel) == 2
+    assert await queue_depth(amqp_url, channel) == 2
     remembered = await db.fetch("SELECT key FROM bench_processed ORDER BY key")
     assert [r["key"] for r in remembered] == ["d-1", "d-2"]
