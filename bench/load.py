@@ -79,20 +79,18 @@ def database_cpu_s() -> float:
     the benches' database is on 127.0.0.1, and a quiet machine is theirs alone). A backend that
     exits takes its seconds with it: read around a phase whose pools stay open. NaN without
     /proc."""
-    return _cpu_s_of("postgres")
+    return services_cpu_s()[0]
 
 
-def broker_cpu_s() -> float:
-    """The same for RabbitMQ's Erlang VM (beam.smp: the node the benches publish to)."""
-    return _cpu_s_of("beam")
-
-
-def _cpu_s_of(prefix: str) -> float:
-    """User + system CPU seconds so far of the processes whose name starts with `prefix`."""
-    total, found = 0, False
+def services_cpu_s() -> tuple[float, float]:
+    """PostgreSQL's CPU seconds so far (database_cpu_s) and RabbitMQ's (its Erlang VM,
+    beam.smp: the node the benches publish to), in one pass over /proc; NaN for one not
+    running here (another host, another namespace: no figure rather than a zero)."""
+    prefixes = ("postgres", "beam")
+    ticks: list[int | None] = [None, None]
     proc = Path("/proc")
     if not proc.is_dir():  # not Linux: nothing to read
-        return float("nan")
+        return float("nan"), float("nan")
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -101,12 +99,13 @@ def _cpu_s_of(prefix: str) -> float:
         except OSError:
             continue
         name, _, rest = stat.partition("(")[2].rpartition(")")
-        if name.startswith(prefix):
-            fields = rest.split()
-            total += int(fields[11]) + int(fields[12])
-            found = True
-    # None of them here (another host, another namespace): no figure rather than a zero.
-    return total / os.sysconf("SC_CLK_TCK") if found else float("nan")
+        for i, prefix in enumerate(prefixes):
+            if name.startswith(prefix):
+                fields = rest.split()
+                ticks[i] = (ticks[i] or 0) + int(fields[11]) + int(fields[12])
+    per_s = os.sysconf("SC_CLK_TCK")
+    db, mq = (float("nan") if t is None else t / per_s for t in ticks)
+    return db, mq
 
 
 async def phase(
@@ -145,13 +144,13 @@ async def phase(
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    cpu_before, db_before, mq_before = server_cpu_s(port), database_cpu_s(), broker_cpu_s()
+    cpu_before, (db_before, mq_before) = server_cpu_s(port), services_cpu_s()
     client_before = time.process_time()
     await asyncio.gather(*(client() for _ in range(connections)))
     elapsed = time.perf_counter() - begin
     client_s = time.process_time() - client_before  # before the reads of /proc below
-    cpu_s, db_s = server_cpu_s(port) - cpu_before, database_cpu_s() - db_before
-    mq_s = broker_cpu_s() - mq_before
+    cpu_s, (db_after, mq_after) = server_cpu_s(port) - cpu_before, services_cpu_s()
+    db_s, mq_s = db_after - db_before, mq_after - mq_before
     ms = sorted(x * 1000 for x in latencies)
     if len(ms) < 2:  # statistics.quantiles needs two; a phase cut short by its deadline
         ms = ms or [float("nan")]

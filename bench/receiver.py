@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import load  # noqa: E402
+from bench.targets import added_p99_bound, commit_p99  # noqa: E402
 from handlers.webhooks import make_app  # noqa: E402
 
 GITHUB_SECRET = "bench-only-secret"  # a fixed, fake secret: this process signs, it receives
@@ -279,8 +280,7 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
         new_half, new_half["target_rate"]
     )
     p99_added = new_half["p99_ms"] - plain_half["p99_ms"]
-    commit_p99 = figures.get("commit", {}).get("p99_ms")
-    bound = None if commit_p99 is None else 2 * commit_p99 + 5
+    bound = added_p99_bound(figures)
     p99_ok, why_not = latency_verdict(plain, plain_half, new_half, bound)
     naive_new = figures["naive_new_keys"]["rate"] or float("nan")
     naive_replays = figures["naive_replays"]["rate"] or float("nan")
@@ -310,7 +310,7 @@ def report(figures: dict[str, Any], n: int, c: int) -> None:
     print(
         f"  p99 at half load, receiver minus hand-written: {new_half['p99_ms']:.2f} - "
         f"{plain_half['p99_ms']:.2f} = {p99_added:+.2f} ms (target {bound_text}, 2 x commit "
-        f"p99 {commit_p99} ms + 5 ms): {verdict(p99_ok, p99_added)}"
+        f"p99 {commit_p99(figures)} ms + 5 ms): {verdict(p99_ok, p99_added)}"
         + (f" ({why_not})" if why_not else "")
     )
     print(
